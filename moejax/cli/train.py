@@ -1,0 +1,75 @@
+"""`moejax-train --config configs/tiny.py [--config.a.b=v ...] --workdir DIR` (also `python -m moejax.train`).
+
+Exit codes: 0 done; 2 bad configuration or input (one line on stderr, nothing in DIR written);
+3 the loss went non-finite; anything else is a crash.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+from absl import flags
+from ml_collections import config_flags
+
+FLAGS = flags.FlagValues()
+config_flags.DEFINE_config_file("config", None, "ml_collections config file, e.g. configs/tiny.py",
+                                flag_values=FLAGS, lock_config=True)
+flags.DEFINE_string("workdir", None, "directory for metrics.jsonl, config.json, checkpoints/ and tb/",
+                    flag_values=FLAGS)
+
+PROG = "moejax-train"
+
+
+def _usage_error(message: str) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv if argv is None else argv)
+    if any(a in ("-h", "--help", "--helpshort") for a in argv[1:]):
+        print(__doc__.strip())
+        print(FLAGS.get_help())
+        return 0
+    try:
+        FLAGS(argv)
+    except Exception as e:  # absl flag errors, config file import errors, bad overrides
+        return _usage_error(str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
+    if FLAGS.config is None:
+        return _usage_error("--config is required, e.g. --config configs/tiny.py")
+    if not FLAGS.workdir:
+        return _usage_error("--workdir is required")
+
+    import jax  # after flag parsing: --help and usage errors stay fast
+
+    from moejax.config import ConfigError, validate
+
+    cfg = FLAGS.config
+    try:
+        mesh_sizes = validate(cfg, jax.device_count())
+    except ConfigError as e:
+        return _usage_error(str(e))
+    workdir = Path(FLAGS.workdir)
+    if workdir.exists() and not workdir.is_dir():
+        return _usage_error(f"--workdir {workdir} exists and is not a directory")
+
+    from moejax.train.loop import NonFiniteLoss, train, write_config
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    for noisy in ("absl", "jax", "orbax", "grain"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    if jax.process_index() == 0:
+        workdir.mkdir(parents=True, exist_ok=True)
+        write_config(cfg, workdir)
+    try:
+        train(cfg, workdir, mesh_sizes)
+    except NonFiniteLoss as e:
+        print(f"{PROG}: stopped: {e}", file=sys.stderr)
+        return 3
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""The config schema: defaults for every field, and validation that runs before anything compiles.
+
+Config files in `configs/` start from `default_config()` and override fields. `validate(cfg, n_devices)`
+raises `ConfigError` with one sentence saying what is wrong and what to change; the CLI turns that into
+exit code 2 without touching the workdir.
+"""
+
+from __future__ import annotations
+
+import math
+
+import ml_collections
+
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
+DTYPES = ("float32", "bfloat16", "float16")
+SCORE_FUNCS = ("sigmoid", "softmax")
+DISPATCH_MODES = ("capacity",)
+GMM_BACKENDS = ("auto", "einsum", "ragged_dot")
+REMAT_POLICIES = ("none", "full", "dots")
+
+
+class ConfigError(ValueError):
+    """A configuration or input the run cannot use; the message is shown to the user as is."""
+
+
+def default_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+
+    c.model = m = ml_collections.ConfigDict()
+    m.vocab_size = 264  # 256 bytes + specials, padded to a multiple of 8
+    m.d_model = 128
+    m.n_layers = 4
+    m.first_k_dense = 1  # DeepSeek-style: the first k layers use a dense FFN
+    m.n_heads = 4
+    m.head_dim = 32
+    m.d_ff = 512  # dense-layer FFN width
+    m.rope_theta = 10000.0
+    m.norm_eps = 1e-6
+    m.max_seq_len = 4096
+    m.dtype = "float32"  # compute dtype; params stay in param_dtype
+    m.param_dtype = "float32"
+    m.remat = "full"
+    m.init_std = 0.02
+
+    c.moe = e = ml_collections.ConfigDict()
+    e.n_routed_experts = 16
+    e.n_shared_experts = 1
+    e.top_k = 4
+    e.d_ff_expert = 128
+    e.score_func = "sigmoid"
+    e.n_groups = 1  # group-limited routing (DeepSeek-V3: 8 groups, top-4 groups)
+    e.topk_groups = 1
+    e.routed_scaling = 1.0
+    e.norm_topk_prob = True
+    e.dispatch = "capacity"
+    e.backend = "auto"
+    e.capacity_factor = 2.0  # <= 0 means worst case: no token is ever dropped
+    e.seq_aux_loss_coef = 1e-4  # DeepSeek-V3 sequence-wise balance loss (alpha)
+    e.z_loss_coef = 0.0
+    e.bias_update_rate = 1e-3  # aux-loss-free balancing; 0 disables it
+
+    c.mesh = ms = ml_collections.ConfigDict()
+    ms.data = -1  # -1: whatever the other axes leave
+    ms.fsdp = 1
+    ms.expert = 1
+    ms.tensor = 1
+
+    c.train = t = ml_collections.ConfigDict()
+    t.steps = 1000
+    t.global_batch = 32
+    t.seq_len = 256
+    t.log_every = 10
+    t.eval_every = 100
+    t.eval_batches = 4
+
+    c.optim = o = ml_collections.ConfigDict()
+    o.lr = 3e-3
+    o.min_lr_ratio = 0.1
+    o.warmup_steps = 50
+    o.b1 = 0.9
+    o.b2 = 0.95
+    o.eps = 1e-8
+    o.weight_decay = 0.1
+    o.clip_norm = 1.0
+
+    c.checkpoint = ck = ml_collections.ConfigDict()
+    ck.every_steps = 0  # 0: only at the end of the run
+    ck.keep = 2
+
+    c.data = d = ml_collections.ConfigDict()
+    d.corpus = "stdlib"  # the Python standard library's own sources, found at run time
+    d.max_bytes = 16_000_000
+    d.eval_every_nth_file = 20
+
+    c.hardware = h = ml_collections.ConfigDict()
+    h.peak_tflops = 0.0  # per device; 0: look up the GPU, or measure on CPU
+    return c
+
+
+def resolve_mesh_shape(mesh_cfg, n_devices: int) -> dict[str, int]:
+    """Sizes of every mesh axis, with the single -1 axis filled in."""
+    sizes = {a: int(mesh_cfg[a]) for a in MESH_AXES}
+    free = [a for a, s in sizes.items() if s == -1]
+    if len(free) > 1:
+        raise ConfigError(f"mesh: at most one axis may be -1, got {', '.join(free)}")
+    for a, s in sizes.items():
+        if s == 0 or s < -1:
+            raise ConfigError(f"mesh.{a}={s}: axis sizes must be positive (or -1 for the rest)")
+    fixed = math.prod(s for s in sizes.values() if s != -1)
+    if free:
+        if n_devices % fixed:
+            raise ConfigError(
+                f"mesh: {n_devices} devices do not divide by the fixed axes' product {fixed} "
+                f"({_fmt(sizes)})"
+            )
+        sizes[free[0]] = n_devices // fixed
+    elif fixed != n_devices:
+        raise ConfigError(
+            f"mesh: axis sizes multiply to {fixed} ({_fmt(sizes)}) but there are {n_devices} devices; "
+            "make the product equal the device count or set one axis to -1"
+        )
+    return sizes
+
+
+def _fmt(sizes):
+    return " x ".join(f"{a}={s}" for a, s in sizes.items())
+
+
+def _check_choice(name, value, choices):
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r} is not one of {', '.join(map(repr, choices))}")
+
+
+def validate(cfg, n_devices: int) -> dict[str, int]:
+    """Checks everything a user can get wrong before compile; returns the resolved mesh shape."""
+    m, e, t = cfg.model, cfg.moe, cfg.train
+    sizes = resolve_mesh_shape(cfg.mesh, n_devices)
+    for name in ("dtype", "param_dtype"):
+        _check_choice(f"model.{name}", m[name], DTYPES)
+    _check_choice("model.remat", m.remat, REMAT_POLICIES)
+    _check_choice("moe.score_func", e.score_func, SCORE_FUNCS)
+    _check_choice("moe.dispatch", e.dispatch, DISPATCH_MODES)
+    _check_choice("moe.backend", e.backend, GMM_BACKENDS)
+    positive = {
+        "model.vocab_size": m.vocab_size, "model.d_model": m.d_model, "model.n_layers": m.n_layers,
+        "model.n_heads": m.n_heads, "model.head_dim": m.head_dim, "model.d_ff": m.d_ff,
+        "moe.top_k": e.top_k, "moe.d_ff_expert": e.d_ff_expert, "train.steps": t.steps,
+        "train.global_batch": t.global_batch, "train.seq_len": t.seq_len, "train.log_every": t.log_every,
+    }
+    for name, v in positive.items():
+        if int(v) <= 0:
+            raise ConfigError(f"{name}={v} must be positive")
+    if not 0 <= m.first_k_dense <= m.n_layers:
+        raise ConfigError(f"model.first_k_dense={m.first_k_dense} must lie in [0, model.n_layers={m.n_layers}]")
+    n_moe_layers = m.n_layers - m.first_k_dense
+    if n_moe_layers and e.n_routed_experts <= 0:
+        raise ConfigError("moe.n_routed_experts must be positive when there are MoE layers")
+    if e.top_k > e.n_routed_experts:
+        raise ConfigError(f"moe.top_k={e.top_k} exceeds moe.n_routed_experts={e.n_routed_experts}")
+    if e.n_routed_experts % e.n_groups:
+        raise ConfigError(f"moe.n_routed_experts={e.n_routed_experts} does not divide into moe.n_groups={e.n_groups}")
+    if not 1 <= e.topk_groups <= e.n_groups:
+        raise ConfigError(f"moe.topk_groups={e.topk_groups} must lie in [1, moe.n_groups={e.n_groups}]")
+    if e.topk_groups * (e.n_routed_experts // e.n_groups) < e.top_k:
+        raise ConfigError("moe.top_k exceeds the experts inside moe.topk_groups groups")
+    if n_moe_layers and e.n_routed_experts % sizes["expert"]:
+        raise ConfigError(
+            f"moe.n_routed_experts={e.n_routed_experts} is not divisible by the expert axis "
+            f"(mesh.expert={sizes['expert']}); pick an expert-parallel size that divides it"
+        )
+    batch_shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+    if t.global_batch % batch_shards:
+        raise ConfigError(
+            f"train.global_batch={t.global_batch} is not divisible by the batch-parallel size "
+            f"data*fsdp*expert={batch_shards}"
+        )
+    if t.seq_len > m.max_seq_len:
+        raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    if m.vocab_size < 259:
+        raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than the byte tokenizer's 259 ids")
+    if cfg.data.corpus != "stdlib":
+        raise ConfigError(f"data.corpus={cfg.data.corpus!r}: only the embedded 'stdlib' corpus exists so far")
+    if cfg.hardware.peak_tflops < 0:
+        raise ConfigError("hardware.peak_tflops must be >= 0 (0 means look up or measure)")
+    return sizes

@@ -1,0 +1,42 @@
+"""Grouped matmul backends for the routed experts' SwiGLU FFN on expert-major, capacity-padded buffers.
+
+Buffers arrive as [E_local, C, D]: each local expert owns C padded rows. Two backends compute the same thing:
+  einsum      a batched einsum over the expert dim: one GEMM per expert, no wasted work (fast on CPU).
+  ragged_dot  `lax.ragged_dot` over the flattened rows with equal group sizes; on GPU/TPU XLA emits a
+              grouped GEMM, on CPU it becomes a dense masked matmul over all groups (E times the work).
+`auto` picks einsum: with padded buffers every group has the same size, so the batched einsum is the
+grouped GEMM.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def resolve_backend(backend: str) -> str:
+    return "einsum" if backend == "auto" else backend
+
+
+def _einsum_ffn(x_ExCxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD):
+    gate_ExCxF = jnp.einsum("ecd,edf->ecf", x_ExCxD, w_gate_ExDxF)
+    up_ExCxF = jnp.einsum("ecd,edf->ecf", x_ExCxD, w_up_ExDxF)
+    return jnp.einsum("ecf,efd->ecd", jax.nn.silu(gate_ExCxF) * up_ExCxF, w_down_ExFxD)
+
+
+def _ragged_dot_ffn(x_ExCxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD):
+    n_experts, capacity, d_model = x_ExCxD.shape
+    x_RxD = x_ExCxD.reshape(n_experts * capacity, d_model)
+    group_sizes_E = jnp.full((n_experts,), capacity, dtype=jnp.int32)
+    gate_RxF = jax.lax.ragged_dot(x_RxD, w_gate_ExDxF, group_sizes_E)
+    up_RxF = jax.lax.ragged_dot(x_RxD, w_up_ExDxF, group_sizes_E)
+    y_RxD = jax.lax.ragged_dot(jax.nn.silu(gate_RxF) * up_RxF, w_down_ExFxD, group_sizes_E)
+    return y_RxD.reshape(n_experts, capacity, d_model)
+
+
+_BACKENDS = {"einsum": _einsum_ffn, "ragged_dot": _ragged_dot_ffn}
+
+
+def expert_ffn(x_ExCxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, backend: str = "auto"):
+    """SwiGLU FFN of each local expert applied to its own rows."""
+    return _BACKENDS[resolve_backend(backend)](x_ExCxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)

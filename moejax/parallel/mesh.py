@@ -1,0 +1,85 @@
+"""Devices -> Mesh, and the ONE table that maps the model's logical axis names onto mesh axes.
+
+The model only speaks logical names ('embed', 'expert', 'batch', ...). This module is the only place that
+knows which mesh axis each one lands on. Every logical name must appear here: an unknown name is an error,
+never a silent replication.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from moejax.config import MESH_AXES
+
+# Tokens are split over every axis that is not model-parallel: experts see all of them through all-to-all.
+BATCH_AXES = ("data", "fsdp", "expert")
+EXPERT_AXIS = "expert"
+
+LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
+    # activations
+    "batch": BATCH_AXES,
+    "seq": None,
+    "act_embed": None,
+    # parameters
+    "vocab": "tensor",
+    "embed": "fsdp",
+    "mlp": "tensor",
+    "heads": "tensor",
+    "head_dim": None,
+    "expert": EXPERT_AXIS,
+    "expert_mlp": "tensor",
+    "router_expert": None,  # the router's expert dim stays whole: every token scores every expert
+    "layers": None,  # the scanned layer dim
+    "norm": None,
+}
+
+
+def make_mesh(sizes: dict[str, int], devices=None) -> Mesh:
+    """A mesh with axes MESH_AXES in that order, Auto axis types (shard_map and GSPMD both work on it)."""
+    devices = jax.devices() if devices is None else devices
+    shape = tuple(sizes[a] for a in MESH_AXES)
+    device_grid = np.asarray(devices).reshape(shape)
+    return Mesh(device_grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def logical_to_spec(names) -> P:
+    """PartitionSpec for a tuple of logical axis names (None entries stay unsharded)."""
+    out = []
+    for name in names:
+        if name is None:
+            out.append(None)
+            continue
+        if name not in LOGICAL_RULES:
+            raise KeyError(f"logical axis {name!r} has no rule in moejax.parallel.mesh.LOGICAL_RULES")
+        out.append(LOGICAL_RULES[name])
+    return P(*out)
+
+
+def current_mesh():
+    """The mesh set by `jax.set_mesh`, or None on a single device / no mesh."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or mesh.size == 1:
+        return None
+    return mesh
+
+
+def constrain(x, names):
+    """Sharding constraint by logical names; a no-op when no mesh is set (single-device reference)."""
+    if current_mesh() is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(names))
+
+
+def named_sharding(mesh: Mesh, names) -> NamedSharding:
+    return NamedSharding(mesh, logical_to_spec(names))
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Sharding of a [batch, seq] token array."""
+    return named_sharding(mesh, ("batch", "seq"))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
