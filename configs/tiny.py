@@ -21,12 +21,12 @@ def get_config():
     c.moe.capacity_factor = 1.25
     c.mesh.data = -1
     c.mesh.expert = 4
-    c.train.steps = 200
+    c.train.steps = 250
     c.train.global_batch = 16
     c.train.seq_len = 128
     c.train.log_every = 10
     c.train.eval_every = 50
-    c.optim.lr = 3e-3
+    c.optim.lr = 4e-3
     c.optim.warmup_steps = 20
-    c.moe.bias_update_rate = 1e-2  # a 200-step run needs faster balancing than DeepSeek-V3's 1e-3
+    c.moe.bias_update_rate = 3e-2  # a 250-step run needs faster balancing than DeepSeek-V3's 1e-3
     return c

@@ -50,7 +50,10 @@ def main(argv=None) -> int:
     try:
         mesh_sizes = validate(cfg, jax.device_count())
     except ConfigError as e:
-        return _usage_error(str(e))
+        hint = ""
+        if jax.device_count() == 1 and jax.devices()[0].platform == "cpu":
+            hint = " (one CPU device: set XLA_FLAGS=--xla_force_host_platform_device_count=8 to emulate a mesh)"
+        return _usage_error(str(e) + hint)
     workdir = Path(FLAGS.workdir)
     if workdir.exists() and not workdir.is_dir():
         return _usage_error(f"--workdir {workdir} exists and is not a directory")

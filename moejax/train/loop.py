@@ -7,7 +7,6 @@ time is the wall time between consecutive logged steps divided by the steps in b
 from __future__ import annotations
 
 import json
-import logging
 import math
 import time
 from pathlib import Path
@@ -24,9 +23,6 @@ from moejax.train.checkpoint import Checkpointer
 from moejax.train.optim import make_optimizer
 from moejax.train.state import abstract_state, init_state, model_graphdef, state_shardings
 from moejax.train.step import jit_eval_step, jit_train_step
-
-log = logging.getLogger("moejax")
-
 
 class NonFiniteLoss(RuntimeError):
     pass
@@ -60,7 +56,6 @@ def train(cfg, workdir: Path, mesh_sizes: dict[str, int]) -> dict:
         abstract = abstract_state(cfg, tx)
         shardings = state_shardings(abstract, mesh)
         state = checkpointer.restore(start, abstract, shardings)
-        log.info("resumed from step %d", start)
     else:
         state, shardings = init_state(cfg, tx, mesh, cfg.seed)
 
@@ -76,14 +71,17 @@ def train(cfg, workdir: Path, mesh_sizes: dict[str, int]) -> dict:
     fpt = flops_per_token(cfg)
     tokens_per_step = t.global_batch * t.seq_len
     counts = param_counts(cfg)
-    log.info("mesh %s over %d devices | params %.2fM total, %.2fM active | %.3g MFLOP/token | "
-             "peak %.3g TFLOP/s/dev (%s) | compiled in %.1fs", dict(mesh.shape), n_devices,
-             counts["total"] / 1e6, counts["active"] / 1e6, fpt / 1e6, peak / 1e12, peak_source, compile_s)
+    if is_main:
+        print(f"mesh {dict(mesh.shape)} over {n_devices} devices | params {counts['total'] / 1e6:.2f}M total, "
+              f"{counts['active'] / 1e6:.2f}M active | {fpt / 1e6:.3g} MFLOP/token | peak "
+              f"{peak / 1e12:.3g} TFLOP/s/dev ({peak_source}) | compiled in {compile_s:.1f}s"
+              + (f" | resumed at step {start}" if start else ""), flush=True)
 
     writer = M.MetricsWriter(workdir, enabled=is_main)
     data_iter = prefetching_iterator(batches, start)
     last = {}
-    window = {"time": time.perf_counter(), "step": start}
+    # Step time = wall time between logged steps, less the host time spent blocked on eval and saves.
+    window = {"time": time.perf_counter(), "step": start, "excluded": 0.0}
 
     def eval_due(step_done):
         return t.eval_every > 0 and (step_done % t.eval_every == 0 or step_done == t.steps)
@@ -98,19 +96,20 @@ def train(cfg, workdir: Path, mesh_sizes: dict[str, int]) -> dict:
         if not (step_done % t.log_every == 0 or eval_losses is not None or is_last):
             return
         now = time.perf_counter()
-        step_time = (now - window["time"]) / max(1, step_done - window["step"])
+        step_time = (now - window["time"] - window["excluded"]) / max(1, step_done - window["step"])
         tpe = host.pop("tokens_per_expert", None)
         record = {"step": step_done, **host,
                   **M.throughput(step_time, tokens_per_step, fpt, n_devices, peak)}
+        window.update(time=now, step=step_done, excluded=0.0)
         if eval_losses is not None:
             record["eval_loss"] = float(np.mean(jax.device_get(eval_losses)))
+            window["excluded"] += time.perf_counter() - now
         if tpe is not None and is_last:
             record["tokens_per_expert"] = tpe
         if is_main:
             print(M.console_line(record, t.steps), flush=True)
         writer.write(record)
         last = record
-        window.update(time=time.perf_counter(), step=step_done)
 
     pending = None
     try:
@@ -123,7 +122,11 @@ def train(cfg, workdir: Path, mesh_sizes: dict[str, int]) -> dict:
                 finish(*pending)
             pending = (step + 1, device_metrics)
             if checkpointer.should_save(step + 1, t.steps):
+                finish(*pending)  # read this step's time before the save blocks the host
+                pending = None
+                save_start = time.perf_counter()
                 checkpointer.save(step + 1, state)
+                window["excluded"] += time.perf_counter() - save_start
         if pending is not None:
             finish(*pending)
     finally:

@@ -1,0 +1,96 @@
+"""Training-step speed of a config on the emulated CPU mesh (or real devices): step time, tokens/s,
+TFLOP/s per device and MFU, for several mesh layouts measured in one run. Prints a table, writes JSON.
+
+    python benchmarks/train_step.py [--config configs/tiny.py] [--steps 10] [--json benchmarks/results/train_step.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import runpy
+import sys
+import time
+from pathlib import Path
+
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from moejax.config import validate  # noqa: E402
+from moejax.model.accounting import flops_per_token  # noqa: E402
+from moejax.parallel.mesh import batch_sharding, make_mesh  # noqa: E402
+from moejax.train.metrics import peak_flops_per_device, throughput  # noqa: E402
+from moejax.train.optim import make_optimizer  # noqa: E402
+from moejax.train.state import init_state, model_graphdef  # noqa: E402
+from moejax.train.step import jit_train_step  # noqa: E402
+
+LAYOUTS = {  # name -> (data, fsdp, expert, tensor); -1 fills the rest
+    "config": None,
+    "data8": (-1, 1, 1, 1),
+    "data2 x expert4": (-1, 1, 4, 1),
+    "expert8": (1, 1, -1, 1),
+    "fsdp2 x expert4": (1, 2, -1, 1),
+}
+
+
+def measure(cfg, steps: int, peak: float) -> dict:
+    sizes = validate(cfg, jax.device_count())
+    mesh = make_mesh(sizes)
+    tx = make_optimizer(cfg)
+    state, shardings = init_state(cfg, tx, mesh, cfg.seed)
+    tokens = np.random.default_rng(0).integers(0, 256, (cfg.train.global_batch, cfg.train.seq_len + 1), np.int32)
+    batch = jax.device_put(tokens, batch_sharding(mesh))
+    t0 = time.perf_counter()
+    with jax.set_mesh(mesh):
+        step = jit_train_step(cfg, model_graphdef(cfg), tx, mesh, shardings).lower(state, batch).compile()
+    compile_s = time.perf_counter() - t0
+    for _ in range(2):  # warm-up
+        state, metrics = step(state, batch)
+    jax.block_until_ready(metrics)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        state, metrics = step(state, batch)
+    jax.block_until_ready(metrics)
+    step_s = (time.perf_counter() - t0) / steps
+    tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
+    return {"mesh": sizes, "compile_s": compile_s,
+            **throughput(step_s, tokens_per_step, flops_per_token(cfg), jax.device_count(), peak)}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="configs/tiny.py")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated subset of: " + ", ".join(LAYOUTS))
+    ap.add_argument("--json", default="benchmarks/results/train_step.json")
+    args = ap.parse_args()
+    base = runpy.run_path(args.config)["get_config"]()
+    peak, peak_source = peak_flops_per_device(base)
+    rows = []
+    for name in args.layouts.split(","):
+        cfg = base.copy_and_resolve_references()
+        if LAYOUTS[name] is not None:
+            cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.expert, cfg.mesh.tensor = LAYOUTS[name]
+        rows.append({"layout": name, **measure(cfg, args.steps, peak)})
+    print(f"{args.config}: {base.train.global_batch} x {base.train.seq_len} tokens/step, "
+          f"{flops_per_token(base) / 1e6:.3g} MFLOP/token, {jax.device_count()} x {jax.devices()[0].device_kind}, "
+          f"peak {peak / 1e12:.3g} TFLOP/s/dev ({peak_source})")
+    print(f"{'layout':<18}{'step ms':>9}{'tok/s':>9}{'TFLOP/s/dev':>13}{'MFU':>8}{'compile s':>11}")
+    for r in rows:
+        print(f"{r['layout']:<18}{r['step_time_s'] * 1e3:>9.0f}{r['tokens_per_s']:>9.0f}"
+              f"{r['tflops_per_device']:>13.4g}{100 * r['mfu']:>7.1f}%{r['compile_s']:>11.1f}")
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"config": args.config, "devices": jax.device_count(),
+                               "device_kind": jax.devices()[0].device_kind, "peak_flops_per_device": peak,
+                               "peak_source": peak_source, "flops_per_token": flops_per_token(base),
+                               "steps": args.steps, "rows": rows}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

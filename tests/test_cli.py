@@ -1,0 +1,57 @@
+"""The CLI rejects every invalid mesh/config combination with exit code 2, one clear line, nothing written."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args, workdir):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-m", "moejax.train", "--config", str(ROOT / "configs/tiny.py"),
+                           "--workdir", str(workdir), *args], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=300)
+
+
+BAD = [
+    (["--config.mesh.data=3"], "devices do not divide"),
+    (["--config.mesh.data=2", "--config.mesh.expert=2"], "multiply to 4"),
+    (["--config.mesh.data=-1", "--config.mesh.fsdp=-1"], "at most one axis may be -1"),
+    (["--config.mesh.data=1", "--config.mesh.expert=8", "--config.moe.n_routed_experts=12"],
+     "not divisible by the expert axis"),
+    (["--config.train.global_batch=12"], "not divisible by the batch-parallel size"),
+    (["--config.moe.top_k=20"], "exceeds moe.n_routed_experts"),
+    (["--config.model.dtype=float8"], "model.dtype='float8' is not one of"),
+    (["--config.mesh.tensor=0"], "must be positive"),
+    (["--config.train.seq_len=8192"], "exceeds model.max_seq_len"),
+    (["--config.no_such_field=1"], "no_such_field"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD, ids=[b[1].split()[0] + str(i) for i, b in enumerate(BAD)])
+def test_bad_config_exits_2_and_writes_nothing(args, message, tmp_path):
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    keep = workdir / "config.json"
+    keep.write_text("an earlier run's config\n")
+    proc = run_cli(*args, workdir=workdir)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert message in lines[0], lines[0]
+    assert keep.read_text() == "an earlier run's config\n"
+    assert sorted(p.name for p in workdir.iterdir()) == ["config.json"]
+
+
+def test_missing_config_file_exits_2(tmp_path):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-m", "moejax.train", "--config", str(tmp_path / "nope.py"),
+                           "--workdir", str(tmp_path / "run")], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 2
+    assert len(proc.stderr.strip().splitlines()) == 1 and "nope.py" in proc.stderr
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,129 @@
+"""The MoE block on every mesh layout equals the single-device dense reference, forward and gradients."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from moejax.config import default_config
+from moejax.model.moe import MoE
+from moejax.parallel.dispatch import capacity_per_expert
+from moejax.parallel.mesh import batch_sharding, make_mesh
+from moejax.train.state import state_shardings
+from tests.moe_reference import reference_moe
+
+D_MODEL, BATCH, SEQ = 32, 16, 8
+
+
+def moe_cfg(capacity_factor=0.0):
+    c = default_config().moe
+    c.n_routed_experts, c.top_k, c.d_ff_expert, c.n_shared_experts = 8, 2, 16, 1
+    c.capacity_factor = capacity_factor
+    c.seq_aux_loss_coef = 0.1  # large, so its gradient is visible in the comparison
+    return c
+
+
+def make_moe(cfg, seed):
+    moe = MoE(D_MODEL, cfg, rngs=nnx.Rngs(seed), std=0.3)
+    # A non-zero selection bias, so the test also checks that bias picks experts but does not weight them.
+    moe.router.bias_E[...] = 0.05 * jax.random.normal(jax.random.key(seed + 1), (cfg.n_routed_experts,))
+    return moe
+
+
+def moejax_value_and_grad(graphdef):
+    def loss(state, x, cotangent):
+        y, stats = nnx.merge(graphdef, state)(x)
+        return jnp.sum(y * cotangent) + stats.aux_loss, (y, stats)
+
+    return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+
+
+def reference_value_and_grad(cfg, keep=None):
+    def loss(p, x, cotangent):
+        y, aux, counts = reference_moe(p, x, cfg, keep)
+        return jnp.sum(y * cotangent) + aux, (y, counts)
+
+    return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+
+
+def run_on_mesh(moe, x, cotangent, mesh_sizes, devices):
+    graphdef, state = nnx.split(moe)
+    mesh = make_mesh(mesh_sizes, devices[: int(np.prod(list(mesh_sizes.values())))])
+    state = jax.device_put(state, state_shardings(state, mesh))
+    x = jax.device_put(x, batch_sharding(mesh))
+    with jax.set_mesh(mesh):
+        (value, (y, stats)), (g_state, g_x) = jax.jit(moejax_value_and_grad(graphdef))(state, x, cotangent)
+    return value, y, stats, nnx.to_pure_dict(g_state), g_x
+
+
+def inputs(seed):
+    kx, kc = jax.random.split(jax.random.key(seed))
+    return (jax.random.normal(kx, (BATCH, SEQ, D_MODEL)), jax.random.normal(kc, (BATCH, SEQ, D_MODEL)))
+
+
+MESHES = [  # (data, fsdp, expert, tensor)
+    (8, 1, 1, 1), (4, 1, 2, 1), (2, 1, 4, 1), (1, 1, 8, 1),  # expert = 1, 2, 4, 8
+    (4, 2, 1, 1), (1, 2, 4, 1), (2, 2, 2, 1),  # with fsdp
+    (2, 1, 2, 2),  # with tensor
+]
+
+
+@pytest.mark.parametrize("shape", MESHES, ids=lambda s: "d{}f{}e{}t{}".format(*s))
+def test_moe_block_matches_dense_reference(shape, devices):
+    seed = sum(shape) * 7 + shape[2]
+    cfg = moe_cfg()
+    moe = make_moe(cfg, seed)
+    x, cot = inputs(seed)
+    value, y, stats, g_state, g_x = run_on_mesh(moe, x, cot, dict(zip(("data", "fsdp", "expert", "tensor"), shape)), devices)
+
+    p = nnx.to_pure_dict(nnx.state(moe))
+    (ref_value, (ref_y, ref_counts)), (ref_gp, ref_gx) = reference_value_and_grad(cfg)(p, x, cot)
+
+    np.testing.assert_allclose(y, ref_y, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+    np.testing.assert_allclose(g_x, ref_gx, rtol=1e-4, atol=1e-5)
+    flat_ref = dict(jax.tree_util.tree_leaves_with_path(ref_gp))
+    for path, g in jax.tree_util.tree_leaves_with_path(g_state):
+        if "bias_E" in jax.tree_util.keystr(path):
+            continue  # not a trained parameter (stop_gradient); the reference differentiates it
+        np.testing.assert_allclose(g, flat_ref[path], rtol=1e-4, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+    np.testing.assert_array_equal(stats.tokens_per_expert_E, ref_counts)
+    assert float(stats.dropped) == 0.0
+    assert float(stats.assignments) == BATCH * SEQ * cfg.top_k
+
+
+def expected_keep_mask(chosen_BxLxE, n_shards, capacity):
+    """Position-based drop policy: on each device, an expert keeps its first `capacity` tokens in order."""
+    chosen = np.asarray(chosen_BxLxE).reshape(n_shards, -1, chosen_BxLxE.shape[-1])  # [shard, T_local, E]
+    rank = np.cumsum(chosen, axis=1) - 1
+    keep = (chosen > 0) & (rank < capacity)
+    return keep.reshape(chosen_BxLxE.shape).astype(np.float32)
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 4, 1), (1, 2, 4, 1)], ids=["d2e4", "f2e4"])
+def test_capacity_drops_exactly_the_overflow(shape, devices):
+    seed = 11 + shape[0]
+    cfg = moe_cfg(capacity_factor=1.0)
+    moe = make_moe(cfg, seed)
+    # Skew the router so a few experts overflow their capacity.
+    moe.router.bias_E[...] = jnp.array([0.5, 0.4, 0, 0, 0, 0, 0, 0], jnp.float32)
+    x, cot = inputs(seed)
+    value, y, stats, g_state, g_x = run_on_mesh(moe, x, cot, dict(zip(("data", "fsdp", "expert", "tensor"), shape)), devices)
+
+    p = nnx.to_pure_dict(nnx.state(moe))
+    from tests.moe_reference import reference_routing
+
+    chosen, _, _ = reference_routing(p, x, cfg)
+    n_shards = shape[0] * shape[1] * shape[2]
+    tokens_per_shard = BATCH * SEQ // n_shards
+    capacity = capacity_per_expert(tokens_per_shard, cfg.top_k, cfg.n_routed_experts, cfg.capacity_factor)
+    keep = expected_keep_mask(chosen, n_shards, capacity)
+    expected_dropped = float(np.sum(np.asarray(chosen)) - keep.sum())
+    assert expected_dropped > 0, "the skewed router should overflow some expert"
+    assert float(stats.dropped) == expected_dropped
+
+    (ref_value, (ref_y, _)), (ref_gp, ref_gx) = reference_value_and_grad(cfg, jnp.asarray(keep))(p, x, cot)
+    np.testing.assert_allclose(y, ref_y, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(g_x, ref_gx, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(g_state["w_down_ExFxD"], ref_gp["w_down_ExFxD"], rtol=1e-4, atol=1e-5)

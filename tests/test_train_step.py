@@ -1,0 +1,59 @@
+"""One training step on the (data=2, expert=4) mesh equals the same step on a single device."""
+
+import jax
+import numpy as np
+from flax import nnx
+
+from moejax.config import default_config, validate
+from moejax.parallel.mesh import batch_sharding, make_mesh
+from moejax.train.optim import make_optimizer
+from moejax.train.state import init_state, model_graphdef
+from moejax.train.step import jit_train_step
+
+
+def small_config():
+    c = default_config()
+    c.model.d_model, c.model.n_layers, c.model.first_k_dense = 32, 3, 1
+    c.model.n_heads, c.model.head_dim, c.model.d_ff = 2, 16, 64
+    c.model.init_std = 0.1
+    c.moe.n_routed_experts, c.moe.top_k, c.moe.d_ff_expert = 8, 2, 16
+    c.moe.capacity_factor = 0.0  # no drops: capacity per device differs between the two layouts
+    c.moe.seq_aux_loss_coef = 1e-2
+    c.moe.bias_update_rate = 1e-2
+    c.train.global_batch, c.train.seq_len, c.train.steps = 8, 16, 10
+    c.optim.warmup_steps = 0
+    c.optim.eps = 1e-4  # keeps Adam's first update smooth in g, so f32 reduction-order noise stays small
+    return c
+
+
+def one_step(cfg, devices, tokens):
+    sizes = validate(cfg, len(devices))
+    mesh = make_mesh(sizes, devices)
+    tx = make_optimizer(cfg)
+    state, shardings = init_state(cfg, tx, mesh, seed=3)
+    step = jit_train_step(cfg, model_graphdef(cfg), tx, mesh, shardings)
+    with jax.set_mesh(mesh):
+        state, metrics = step(state, jax.device_put(tokens, batch_sharding(mesh)))
+    return jax.device_get(nnx.to_pure_dict(state.params)), jax.device_get(nnx.to_pure_dict(state.model_state)), jax.device_get(metrics)
+
+
+def test_step_on_data2_expert4_equals_single_device(devices):
+    tokens = np.random.default_rng(5).integers(0, 259, size=(8, 17), dtype=np.int32)
+    single = small_config()
+    single.mesh.data = 1
+    params_1, model_state_1, metrics_1 = one_step(single, devices[:1], tokens)
+    multi = small_config()
+    multi.mesh.data, multi.mesh.expert = 2, 4
+    params_8, model_state_8, metrics_8 = one_step(multi, devices, tokens)
+
+    for key in ("loss", "total_loss", "grad_norm", "aux_loss", "lr"):
+        np.testing.assert_allclose(metrics_8[key], metrics_1[key], rtol=1e-5, err_msg=key)
+    np.testing.assert_array_equal(metrics_8["tokens_per_expert"], metrics_1["tokens_per_expert"])
+    assert np.asarray(metrics_1["tokens_per_expert"]).sum() == 2 * 8 * 16 * 2  # 2 MoE layers x tokens x k
+    flat_1 = dict(jax.tree_util.tree_leaves_with_path(params_1))
+    for path, p in jax.tree_util.tree_leaves_with_path(params_8):
+        np.testing.assert_allclose(p, flat_1[path], rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+    # The aux-loss-free bias moved, identically, from the same mesh-wide loads.
+    bias_1 = model_state_1["moe_layers"]["ffn"]["router"]["bias_E"]
+    np.testing.assert_array_equal(model_state_8["moe_layers"]["ffn"]["router"]["bias_E"], bias_1)
+    assert np.abs(bias_1).max() > 0
