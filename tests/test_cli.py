@@ -18,7 +18,7 @@ def run_cli(*args, workdir):
 
 
 BAD = [
-    (["--config.mesh.data=3"], "devices do not divide"),
+    (["--config.mesh.expert=3"], "devices do not divide"),
     (["--config.mesh.data=2", "--config.mesh.expert=2"], "multiply to 4"),
     (["--config.mesh.data=-1", "--config.mesh.fsdp=-1"], "at most one axis may be -1"),
     (["--config.mesh.data=1", "--config.mesh.expert=8", "--config.moe.n_routed_experts=12"],

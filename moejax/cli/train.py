@@ -37,7 +37,13 @@ def main(argv=None) -> int:
         FLAGS(argv)
     except Exception as e:  # absl flag errors, config file import errors, bad overrides
         return _usage_error(str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
-    if FLAGS.config is None:
+    try:
+        cfg = FLAGS.config  # a missing or broken file yields a stand-in that fails on first use
+        if cfg is not None:
+            cfg.keys()
+    except Exception as e:
+        return _usage_error(f"cannot load --config: {str(e).strip().splitlines()[-1].strip()}")
+    if cfg is None:
         return _usage_error("--config is required, e.g. --config configs/tiny.py")
     if not FLAGS.workdir:
         return _usage_error("--workdir is required")
@@ -46,7 +52,6 @@ def main(argv=None) -> int:
 
     from moejax.config import ConfigError, validate
 
-    cfg = FLAGS.config
     try:
         mesh_sizes = validate(cfg, jax.device_count())
     except ConfigError as e:
