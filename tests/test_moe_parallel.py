@@ -16,10 +16,11 @@ from tests.moe_reference import reference_moe
 D_MODEL, BATCH, SEQ = 32, 16, 8
 
 
-def moe_cfg(capacity_factor=0.0):
+def moe_cfg(capacity_factor=0.0, backend="auto", score_func="sigmoid"):
     c = default_config().moe
     c.n_routed_experts, c.top_k, c.d_ff_expert, c.n_shared_experts = 8, 2, 16, 1
     c.capacity_factor = capacity_factor
+    c.backend, c.score_func = backend, score_func
     c.seq_aux_loss_coef = 0.1  # large, so its gradient is visible in the comparison
     return c
 
@@ -69,10 +70,17 @@ MESHES = [  # (data, fsdp, expert, tensor)
 ]
 
 
-@pytest.mark.parametrize("shape", MESHES, ids=lambda s: "d{}f{}e{}t{}".format(*s))
-def test_moe_block_matches_dense_reference(shape, devices):
-    seed = sum(shape) * 7 + shape[2]
-    cfg = moe_cfg()
+CASES = [(shape, "auto", "sigmoid") for shape in MESHES] + [
+    ((2, 1, 4, 1), "ragged_dot", "sigmoid"),
+    ((1, 2, 4, 1), "einsum", "softmax"),
+]
+
+
+@pytest.mark.parametrize("shape,backend,score_func", CASES,
+                         ids=lambda v: "d{}f{}e{}t{}".format(*v) if isinstance(v, tuple) else v)
+def test_moe_block_matches_dense_reference(shape, backend, score_func, devices):
+    seed = sum(shape) * 7 + shape[2] + len(backend) + len(score_func)
+    cfg = moe_cfg(backend=backend, score_func=score_func)
     moe = make_moe(cfg, seed)
     x, cot = inputs(seed)
     value, y, stats, g_state, g_x = run_on_mesh(moe, x, cot, dict(zip(("data", "fsdp", "expert", "tensor"), shape)), devices)

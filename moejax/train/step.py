@@ -60,7 +60,7 @@ def train_step(state: TrainState, tokens_BxL1, *, graphdef, tx, schedule, bias_r
         model = nnx.merge(graphdef, params, model_state)
         model.update_router_bias(stats.tokens_per_expert_E, bias_rate)
         _, _, model_state = nnx.split(model, nnx.Param, ...)
-    metrics = {"loss": ce, "total_loss": loss, "grad_norm": optax.global_norm(grads),
+    metrics = {"loss": ce, "total_loss": loss, "grad_norm": optax.tree.norm(grads),
                "lr": schedule(state.step), **_moe_metrics(stats, model_state)}
     new_state = state.replace(step=state.step + 1, params=params, model_state=model_state, opt_state=opt_state)
     return new_state, metrics
