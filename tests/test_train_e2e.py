@@ -47,3 +47,6 @@ def test_train_writes_metrics_checkpoints_and_resumes(tmp_path):
     assert "resumed at step 6" in proc.stdout
     steps = [json.loads(line)["step"] for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     assert steps == [2, 3, 4, 6, 8]
+    # The first run's config (steps=6) is kept beside the new one, not overwritten.
+    assert json.loads((workdir / "config.1.json").read_text())["train"]["steps"] == 6
+    assert json.loads((workdir / "config.json").read_text())["train"]["steps"] == 8

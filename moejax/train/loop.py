@@ -136,4 +136,12 @@ def train(cfg, workdir: Path, mesh_sizes: dict[str, int]) -> dict:
 
 
 def write_config(cfg, workdir: Path):
-    (Path(workdir) / "config.json").write_text(json.dumps(json.loads(cfg.to_json_best_effort()), indent=2) + "\n")
+    """WORKDIR/config.json; an earlier run's different config is kept as config.<n>.json, never lost."""
+    path = Path(workdir) / "config.json"
+    text = json.dumps(json.loads(cfg.to_json_best_effort()), indent=2) + "\n"
+    if path.exists() and path.read_text() != text:
+        n = 1
+        while (backup := path.with_name(f"config.{n}.json")).exists():
+            n += 1
+        path.rename(backup)
+    path.write_text(text)
