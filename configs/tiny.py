@@ -25,6 +25,7 @@ def get_config():
     c.train.global_batch = 16
     c.train.seq_len = 128
     c.train.log_every = 10
+    c.train.expert_load_every = 10
     c.train.eval_every = 50
     c.optim.lr = 4e-3
     c.optim.warmup_steps = 20

@@ -73,6 +73,7 @@ def default_config() -> ml_collections.ConfigDict:
     t.log_every = 10
     t.eval_every = 100
     t.eval_batches = 4
+    t.expert_load_every = 100  # write the full tokens-per-expert matrix (layers x experts) every N steps
 
     c.optim = o = ml_collections.ConfigDict()
     o.lr = 3e-3
@@ -92,6 +93,10 @@ def default_config() -> ml_collections.ConfigDict:
     d.corpus = "stdlib"  # the Python standard library's own sources, found at run time
     d.max_bytes = 16_000_000
     d.eval_every_nth_file = 20
+
+    c.profile = pr = ml_collections.ConfigDict()
+    pr.start_step = -1  # >= 0: trace steps [start_step, start_step + num_steps) into WORKDIR/profile
+    pr.num_steps = 3
 
     c.hardware = h = ml_collections.ConfigDict()
     h.peak_tflops = 0.0  # per device; 0: look up the GPU, or measure on CPU
@@ -181,6 +186,8 @@ def validate(cfg, n_devices: int) -> dict[str, int]:
         raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than the byte tokenizer's 259 ids")
     if cfg.data.corpus != "stdlib":
         raise ConfigError(f"data.corpus={cfg.data.corpus!r}: only the embedded 'stdlib' corpus exists so far")
+    if cfg.profile.start_step >= 0 and cfg.profile.num_steps <= 0:
+        raise ConfigError("profile.num_steps must be positive when profile.start_step is set")
     if cfg.hardware.peak_tflops < 0:
         raise ConfigError("hardware.peak_tflops must be >= 0 (0 means look up or measure)")
     return sizes

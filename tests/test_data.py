@@ -29,6 +29,8 @@ def test_train_batches_deterministic_and_shards_disjoint():
     starts0 = {int(w[0]) for i in range(10) for w in p0[i]}
     starts1 = {int(w[0]) for i in range(10) for w in p1[i]}
     assert p0[0].shape == (4, 17) and not starts0 & starts1
+    # Together the two processes read exactly the one-process global batch, in order.
+    np.testing.assert_array_equal(np.concatenate([p0[7], p1[7]]), a[7])
     # Windows are consecutive tokens: targets are inputs shifted by one.
     w = a[0][0]
     np.testing.assert_array_equal(np.diff(w), 1)

@@ -1,7 +1,11 @@
 """`moejax-train --config configs/tiny.py [--config.a.b=v ...] --workdir DIR` (also `python -m moejax.train`).
 
-Exit codes: 0 done; 2 bad configuration or input (one line on stderr, nothing in DIR written);
-3 the loss went non-finite; anything else is a crash.
+Exit codes: 0 done; 2 bad configuration or input, including processes of one job that disagree (one line
+on stderr, nothing in DIR written); 3 the loss went non-finite; 4 could not join the multi-process job;
+anything else is a crash.
+
+Multi-process jobs: pass --coordinator HOST:PORT --num_processes N --process_id I, or set
+JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID, or run under SLURM/Open MPI (detected).
 """
 
 from __future__ import annotations
@@ -18,6 +22,11 @@ config_flags.DEFINE_config_file("config", None, "ml_collections config file, e.g
                                 flag_values=FLAGS, lock_config=True)
 flags.DEFINE_string("workdir", None, "directory for metrics.jsonl, config.json, checkpoints/ and tb/",
                     flag_values=FLAGS)
+
+flags.DEFINE_string("coordinator", None, "HOST:PORT of process 0 (multi-process jobs)", flag_values=FLAGS)
+flags.DEFINE_integer("num_processes", None, "processes in the job", flag_values=FLAGS)
+flags.DEFINE_integer("process_id", None, "this process's index in [0, num_processes)", flag_values=FLAGS)
+flags.DEFINE_integer("init_timeout", 300, "seconds to wait for every process to join and agree", flag_values=FLAGS)
 
 PROG = "moejax-train"
 
@@ -51,7 +60,13 @@ def main(argv=None) -> int:
     import jax  # after flag parsing: --help and usage errors stay fast
 
     from moejax.config import ConfigError, validate
+    from moejax.train import distributed
 
+    try:
+        distributed.initialize(FLAGS.coordinator, FLAGS.num_processes, FLAGS.process_id, FLAGS.init_timeout)
+    except distributed.DistributedError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 4
     try:
         mesh_sizes = validate(cfg, jax.device_count())
     except ConfigError as e:
@@ -62,6 +77,10 @@ def main(argv=None) -> int:
     workdir = Path(FLAGS.workdir)
     if workdir.exists() and not workdir.is_dir():
         return _usage_error(f"--workdir {workdir} exists and is not a directory")
+    try:
+        distributed.check_processes_agree(cfg.to_json_best_effort(sort_keys=True), FLAGS.init_timeout)
+    except distributed.DistributedError as e:
+        return _usage_error(str(e))
 
     from moejax.train.loop import NonFiniteLoss, train, write_config
 

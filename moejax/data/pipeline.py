@@ -1,4 +1,4 @@
-"""grain pipelines over a token stream: fixed-length windows, shuffled by seed, sharded per process.
+"""grain pipelines over a token stream: fixed-length windows, shuffled by seed, sliced per process.
 
 Windows are `seq_len + 1` tokens (inputs and next-token targets) starting every `seq_len` tokens. The
 pipeline is a random-access MapDataset, so batch i is a pure function of (seed, i): resuming at step s
@@ -30,25 +30,42 @@ class TokenWindows:
         return self.tokens[start : start + self.seq_len + 1].astype(np.int32)
 
 
+class ProcessSlice:
+    """Process p's rows of global batch i: windows [i*G + p*L, i*G + (p+1)*L) of the shuffled order.
+
+    Contiguous slices (not every p-th window) make the global batch the same whatever the process count,
+    so a 2-process run trains on exactly what the 1-process run trains on; and they line up with
+    `jax.make_array_from_process_local_data`, where process p's devices hold batch rows p*L..(p+1)*L.
+    """
+
+    def __init__(self, windows, global_batch: int, process_index: int, process_count: int):
+        self.windows = windows
+        self.global_batch = global_batch
+        self.local_batch = global_batch // process_count
+        self.offset = process_index * self.local_batch
+
+    def __len__(self) -> int:
+        return len(self.windows) // self.global_batch
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        start = int(i) * self.global_batch + self.offset
+        return np.stack([self.windows[start + j] for j in range(self.local_batch)])
+
+
 def train_batches(tokens, *, seq_len: int, global_batch: int, steps: int, seed: int,
                   process_index: int = 0, process_count: int = 1) -> grain.MapDataset:
     """Batch i ([global_batch // process_count, seq_len + 1] int32) is what this process trains on at step i."""
-    local_batch = global_batch // process_count
     windows = grain.MapDataset.source(TokenWindows(tokens, seq_len))
     epochs = max(1, math.ceil(steps * global_batch / len(windows)))
-    ds = windows.shuffle(seed=seed).repeat(epochs)
-    # Each process takes every process_count-th window: disjoint shards of one global order.
-    ds = ds[process_index::process_count]
-    return ds.batch(local_batch, drop_remainder=True)
+    shuffled = windows.shuffle(seed=seed).repeat(epochs)
+    return grain.MapDataset.source(ProcessSlice(shuffled, global_batch, process_index, process_count))
 
 
 def eval_batches(tokens, *, seq_len: int, global_batch: int, n_batches: int,
                  process_index: int = 0, process_count: int = 1) -> list[np.ndarray]:
     """The same first n held-out batches every time (no shuffle), so eval losses compare across steps."""
-    local_batch = global_batch // process_count
-    windows = grain.MapDataset.source(TokenWindows(tokens, seq_len))[process_index::process_count]
-    batched = windows.batch(local_batch, drop_remainder=True)
-    return [batched[i] for i in range(min(n_batches, len(batched)))]
+    batches = ProcessSlice(TokenWindows(tokens, seq_len), global_batch, process_index, process_count)
+    return [batches[i] for i in range(min(n_batches, len(batches)))]
 
 
 def prefetching_iterator(batches: grain.MapDataset, start: int):

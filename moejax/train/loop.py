@@ -1,7 +1,8 @@
 """The training loop: config -> mesh -> sharded state -> compiled step -> metrics, reading top to bottom.
 
-The loop dispatches step t before it reads step t-1's metrics, so the host never stalls the device; step
-time is the wall time between consecutive logged steps divided by the steps in between.
+The loop dispatches step t before it reads step t-1's metrics, so the host does not stall the device between
+logged steps; step time is the wall time between consecutive logged steps' completions divided by the
+steps in between, less the time the host spent blocked on eval and checkpoint saves.
 """
 
 from __future__ import annotations
@@ -86,53 +87,90 @@ def train(cfg, workdir: Path, mesh_sizes: dict[str, int]) -> dict:
     def eval_due(step_done):
         return t.eval_every > 0 and (step_done % t.eval_every == 0 or step_done == t.steps)
 
-    def finish(step_done, device_metrics):
+    def closes_window(step_done):
+        return (step_done % t.log_every == 0 or step_done == t.steps or eval_due(step_done)
+                or checkpointer.should_save(step_done, t.steps))
+
+    def finish(step_done, device_metrics, state_now=None):
+        """Reads step_done's metrics (blocking until it is complete); logs it if it closes a window.
+        state_now is the state after step_done, given when nothing newer has been dispatched."""
         nonlocal last
-        eval_losses = device_metrics.pop("eval_losses", None)
-        host = M.to_host(device_metrics)  # blocks until step_done is complete
+        host = M.to_host(device_metrics)
         if not math.isfinite(host["loss"]):
             raise NonFiniteLoss(f"loss is {host['loss']} at step {step_done}")
-        is_last = step_done == t.steps
-        if not (step_done % t.log_every == 0 or eval_losses is not None or is_last):
+        if not closes_window(step_done):
             return
         now = time.perf_counter()
         step_time = (now - window["time"] - window["excluded"]) / max(1, step_done - window["step"])
-        tpe = host.pop("tokens_per_expert", None)
-        record = {"step": step_done, **host,
-                  **M.throughput(step_time, tokens_per_step, fpt, n_devices, peak)}
         window.update(time=now, step=step_done, excluded=0.0)
-        if eval_losses is not None:
-            record["eval_loss"] = float(np.mean(jax.device_get(eval_losses)))
-            window["excluded"] += time.perf_counter() - now
-        if tpe is not None and is_last:
+        tpe = host.pop("tokens_per_expert", None)
+        record = {"step": step_done, **host, **M.throughput(step_time, tokens_per_step, fpt, n_devices, peak)}
+        if eval_due(step_done):
+            losses = [eval_fn(state_now, _global_batch(b, in_sharding)) for b in held_out]
+            record["eval_loss"] = float(np.mean(jax.device_get(losses)))
+            window["excluded"] += time.perf_counter() - now  # eval is not training-step time
+        if tpe is not None and (step_done == t.steps or (t.expert_load_every > 0 and step_done % t.expert_load_every == 0)):
             record["tokens_per_expert"] = tpe
-        if is_main:
-            print(M.console_line(record, t.steps), flush=True)
-        writer.write(record)
-        last = record
+        if step_done % t.log_every == 0 or step_done == t.steps or "eval_loss" in record:
+            if is_main:
+                print(M.console_line(record, t.steps), flush=True)
+            writer.write(record)
+            last = record
 
+    profiler = ProfileWindow(cfg.profile, workdir / "profile")
     pending = None
     try:
         for step in range(start, t.steps):
-            state, device_metrics = step_fn(state, _global_batch(next(data_iter), in_sharding))
-            if eval_due(step + 1):  # dispatched now, on the state after step + 1, read in finish()
-                device_metrics = {**device_metrics,
-                                  "eval_losses": [eval_fn(state, _global_batch(b, in_sharding)) for b in held_out]}
+            window["excluded"] += profiler.before_step(step)
+            with jax.profiler.StepTraceAnnotation("train", step_num=step):
+                state, device_metrics = step_fn(state, _global_batch(next(data_iter), in_sharding))
             if pending is not None:
-                finish(*pending)
-            pending = (step + 1, device_metrics)
-            if checkpointer.should_save(step + 1, t.steps):
-                finish(*pending)  # read this step's time before the save blocks the host
+                finish(*pending)  # step - 1: runs while step is already queued
                 pending = None
+            if closes_window(step + 1):
+                # A window closes exactly when its last step completes: wait for it before dispatching the
+                # next (one host bubble per log window, not per step; some runtimes dispatch
+                # synchronously, and without this a window would end one step late).
+                finish(step + 1, device_metrics, state)
+            else:
+                pending = (step + 1, device_metrics)
+            if checkpointer.should_save(step + 1, t.steps):
                 save_start = time.perf_counter()
                 checkpointer.save(step + 1, state)
                 window["excluded"] += time.perf_counter() - save_start
         if pending is not None:
             finish(*pending)
     finally:
+        profiler.stop()
         checkpointer.close()
         writer.close()
     return last
+
+
+class ProfileWindow:
+    """jax.profiler trace of steps [start_step, start_step + num_steps), viewable in TensorBoard/Perfetto."""
+
+    def __init__(self, profile_cfg, directory: Path):
+        self.start = profile_cfg.start_step
+        self.stop_at = profile_cfg.start_step + profile_cfg.num_steps
+        self.directory = Path(directory) / f"process_{jax.process_index()}"
+        self.active = False
+
+    def before_step(self, step: int) -> float:
+        """Starts or stops the trace as due; returns the seconds that took (kept out of step time)."""
+        began = time.perf_counter()
+        if self.start >= 0 and step == self.start and not self.active:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            jax.profiler.start_trace(str(self.directory))
+            self.active = True
+        elif self.active and step == self.stop_at:
+            self.stop()
+        return time.perf_counter() - began
+
+    def stop(self):
+        if self.active:
+            jax.profiler.stop_trace()
+            self.active = False
 
 
 def write_config(cfg, workdir: Path):
