@@ -94,8 +94,10 @@ def _plot_expert_load(plt, records, path) -> bool:
     n_layers = rel.shape[1]
     cols = min(4, n_layers)
     rows = math.ceil(n_layers / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols + 1, 2.8 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.4 * cols + 1.2, 3.0 * rows), squeeze=False,
+                             layout="constrained")
     steps = [r["step"] for r in loads]
+    x_end = steps[-1] if len(steps) > 1 else steps[0] + 1  # one record still gets a visible column
     vmax = max(2.0, float(rel.max()))
     for layer in range(rows * cols):
         ax = axes[layer // cols][layer % cols]
@@ -103,8 +105,9 @@ def _plot_expert_load(plt, records, path) -> bool:
             ax.axis("off")
             continue
         im = ax.imshow(rel[:, layer, :].T, aspect="auto", origin="lower", cmap="magma", vmin=0, vmax=vmax,
-                       extent=(steps[0], steps[-1], -0.5, rel.shape[2] - 0.5), interpolation="nearest")
-        ax.set(title=f"MoE layer {layer}", xlabel="step", ylabel="expert")
+                       extent=(steps[0], x_end, -0.5, rel.shape[2] - 0.5), interpolation="nearest")
+        ax.set(title=f"MoE layer {layer}", xlabel="step", ylabel="expert" if layer % cols == 0 else None)
+        ax.yaxis.get_major_locator().set_params(integer=True)
     fig.colorbar(im, ax=axes.ravel().tolist(), label="tokens / mean tokens")
     fig.suptitle("expert load")
     fig.savefig(path, dpi=110)

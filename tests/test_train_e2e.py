@@ -16,16 +16,16 @@ SMALL = ["--config.train.global_batch=8", "--config.train.seq_len=32", "--config
          "--config.mesh.expert=4"]
 
 
-def train(workdir, steps):
+def train(workdir, steps, *extra):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     return subprocess.run([sys.executable, "-m", "moejax.train", "--config", str(ROOT / "configs/tiny.py"),
-                           "--workdir", str(workdir), f"--config.train.steps={steps}", *SMALL],
+                           "--workdir", str(workdir), f"--config.train.steps={steps}", *SMALL, *extra],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
 
 
 def test_train_writes_metrics_checkpoints_and_resumes(tmp_path):
     workdir = tmp_path / "run"
-    proc = train(workdir, 6)
+    proc = train(workdir, 6, "--config.profile.start_step=1", "--config.profile.num_steps=2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [2, 3, 4, 6]
@@ -41,6 +41,7 @@ def test_train_writes_metrics_checkpoints_and_resumes(tmp_path):
     assert json.loads((workdir / "config.json").read_text())["model"]["n_layers"] == 2
     assert sorted(p.name for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == ["3", "6"]
     assert any((workdir / "tb").iterdir())
+    assert list((workdir / "profile" / "process_0").rglob("*.xplane.pb")), "the profiler window wrote no trace"
 
     proc = train(workdir, 8)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -116,6 +116,9 @@ class MetricsWriter:
             elif k == "expert_imbalance_per_layer":
                 for layer, x in enumerate(v):
                     self._tb.add_scalar(f"expert_imbalance/layer_{layer}", x, m["step"])
+            elif k == "tokens_per_expert":  # the distribution of load over experts, per MoE layer
+                for layer, row in enumerate(v):
+                    self._tb.add_histogram(f"tokens_per_expert/layer_{layer}", np.asarray(row), m["step"])
 
     def close(self):
         if self.enabled:
