@@ -14,7 +14,8 @@ import ml_collections
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 DTYPES = ("float32", "bfloat16", "float16")
 SCORE_FUNCS = ("sigmoid", "softmax")
-DISPATCH_MODES = ("capacity",)
+DISPATCH_MODES = ("capacity", "allgather")
+DROP_POLICIES = ("position", "probability")
 GMM_BACKENDS = ("auto", "einsum", "ragged_dot")
 REMAT_POLICIES = ("none", "full", "dots")
 
@@ -53,10 +54,12 @@ def default_config() -> ml_collections.ConfigDict:
     e.topk_groups = 1
     e.routed_scaling = 1.0
     e.norm_topk_prob = True
-    e.dispatch = "capacity"
+    e.dispatch = "capacity"  # capacity: all-to-all of capacity-padded buffers; allgather: gather + reduce-scatter
+    e.drop_policy = "position"  # over capacity, drop the latest tokens (position) or the lowest-weight ones
     e.backend = "auto"
     e.capacity_factor = 2.0  # <= 0 means worst case: no token is ever dropped
     e.seq_aux_loss_coef = 1e-4  # DeepSeek-V3 sequence-wise balance loss (alpha)
+    e.batch_aux_loss_coef = 0.0  # the same balance loss over the whole global batch (Switch/GShard style)
     e.z_loss_coef = 0.0
     e.bias_update_rate = 1e-3  # aux-loss-free balancing; 0 disables it
 
@@ -146,6 +149,7 @@ def validate(cfg, n_devices: int) -> dict[str, int]:
     _check_choice("model.remat", m.remat, REMAT_POLICIES)
     _check_choice("moe.score_func", e.score_func, SCORE_FUNCS)
     _check_choice("moe.dispatch", e.dispatch, DISPATCH_MODES)
+    _check_choice("moe.drop_policy", e.drop_policy, DROP_POLICIES)
     _check_choice("moe.backend", e.backend, GMM_BACKENDS)
     positive = {
         "model.vocab_size": m.vocab_size, "model.d_model": m.d_model, "model.n_layers": m.n_layers,

@@ -11,17 +11,18 @@ from moejax.model.moe import MoE
 from moejax.parallel.dispatch import capacity_per_expert
 from moejax.parallel.mesh import batch_sharding, make_mesh
 from moejax.train.state import state_shardings
-from tests.moe_reference import reference_moe
+from tests.moe_reference import reference_moe, reference_routing
 
 D_MODEL, BATCH, SEQ = 32, 16, 8
 
 
-def moe_cfg(capacity_factor=0.0, backend="auto", score_func="sigmoid"):
+def moe_cfg(capacity_factor=0.0, backend="auto", score_func="sigmoid", mode="capacity", drop_policy="position"):
     c = default_config().moe
     c.n_routed_experts, c.top_k, c.d_ff_expert, c.n_shared_experts = 8, 2, 16, 1
     c.capacity_factor = capacity_factor
-    c.backend, c.score_func = backend, score_func
+    c.backend, c.score_func, c.dispatch, c.drop_policy = backend, score_func, mode, drop_policy
     c.seq_aux_loss_coef = 0.1  # large, so its gradient is visible in the comparison
+    c.batch_aux_loss_coef = 0.05
     return c
 
 
@@ -70,17 +71,18 @@ MESHES = [  # (data, fsdp, expert, tensor)
 ]
 
 
-CASES = [(shape, "auto", "sigmoid") for shape in MESHES] + [
-    ((2, 1, 4, 1), "ragged_dot", "sigmoid"),
-    ((1, 2, 4, 1), "einsum", "softmax"),
+CASES = [(shape, mode, "auto", "sigmoid") for mode in ("capacity", "allgather") for shape in MESHES] + [
+    ((2, 1, 4, 1), "capacity", "ragged_dot", "sigmoid"),
+    ((1, 2, 4, 1), "allgather", "ragged_dot", "softmax"),
+    ((1, 2, 4, 1), "capacity", "einsum", "softmax"),
 ]
 
 
-@pytest.mark.parametrize("shape,backend,score_func", CASES,
+@pytest.mark.parametrize("shape,mode,backend,score_func", CASES,
                          ids=lambda v: "d{}f{}e{}t{}".format(*v) if isinstance(v, tuple) else v)
-def test_moe_block_matches_dense_reference(shape, backend, score_func, devices):
-    seed = sum(shape) * 7 + shape[2] + len(backend) + len(score_func)
-    cfg = moe_cfg(backend=backend, score_func=score_func)
+def test_moe_block_matches_dense_reference(shape, mode, backend, score_func, devices):
+    seed = sum(shape) * 7 + shape[2] + len(backend) + len(score_func) + len(mode)
+    cfg = moe_cfg(backend=backend, score_func=score_func, mode=mode)
     moe = make_moe(cfg, seed)
     x, cot = inputs(seed)
     value, y, stats, g_state, g_x = run_on_mesh(moe, x, cot, dict(zip(("data", "fsdp", "expert", "tensor"), shape)), devices)
@@ -101,18 +103,31 @@ def test_moe_block_matches_dense_reference(shape, backend, score_func, devices):
     assert float(stats.assignments) == BATCH * SEQ * cfg.top_k
 
 
-def expected_keep_mask(chosen_BxLxE, n_shards, capacity):
-    """Position-based drop policy: on each device, an expert keeps its first `capacity` tokens in order."""
-    chosen = np.asarray(chosen_BxLxE).reshape(n_shards, -1, chosen_BxLxE.shape[-1])  # [shard, T_local, E]
-    rank = np.cumsum(chosen, axis=1) - 1
-    keep = (chosen > 0) & (rank < capacity)
+def expected_keep_mask(chosen_BxLxE, w_BxLxE, n_groups, capacity, policy):
+    """What the drop policy keeps: in each group of consecutive tokens (one device's, or one expert
+    group's for allgather), an expert keeps its first `capacity` assignments in token order ('position')
+    or its `capacity` highest-weight ones ('probability')."""
+    n_experts = chosen_BxLxE.shape[-1]
+    chosen = np.asarray(chosen_BxLxE).reshape(n_groups, -1, n_experts) > 0
+    if policy == "position":
+        rank = np.cumsum(chosen, axis=1) - 1
+    else:
+        w = np.where(chosen, np.asarray(w_BxLxE).reshape(n_groups, -1, n_experts), -np.inf)
+        rank = np.argsort(np.argsort(-w, axis=1, kind="stable"), axis=1)
+    keep = chosen & (rank < capacity)
     return keep.reshape(chosen_BxLxE.shape).astype(np.float32)
 
 
-@pytest.mark.parametrize("shape", [(2, 1, 4, 1), (1, 2, 4, 1)], ids=["d2e4", "f2e4"])
-def test_capacity_drops_exactly_the_overflow(shape, devices):
-    seed = 11 + shape[0]
-    cfg = moe_cfg(capacity_factor=1.0)
+DROP_CASES = [((2, 1, 4, 1), "capacity", "position"), ((1, 2, 4, 1), "capacity", "position"),
+              ((2, 1, 4, 1), "capacity", "probability"), ((2, 1, 4, 1), "allgather", "position"),
+              ((1, 2, 4, 1), "allgather", "probability")]
+
+
+@pytest.mark.parametrize("shape,mode,policy", DROP_CASES,
+                         ids=lambda v: "d{}f{}e{}t{}".format(*v) if isinstance(v, tuple) else v)
+def test_capacity_drops_exactly_what_the_policy_says(shape, mode, policy, devices):
+    seed = 11 + shape[0] + len(mode) + len(policy)
+    cfg = moe_cfg(capacity_factor=1.0, mode=mode, drop_policy=policy)
     moe = make_moe(cfg, seed)
     # Skew the router so a few experts overflow their capacity.
     moe.router.bias_E[...] = jnp.array([0.5, 0.4, 0, 0, 0, 0, 0, 0], jnp.float32)
@@ -120,13 +135,12 @@ def test_capacity_drops_exactly_the_overflow(shape, devices):
     value, y, stats, g_state, g_x = run_on_mesh(moe, x, cot, dict(zip(("data", "fsdp", "expert", "tensor"), shape)), devices)
 
     p = nnx.to_pure_dict(nnx.state(moe))
-    from tests.moe_reference import reference_routing
-
-    chosen, _, _ = reference_routing(p, x, cfg)
+    chosen, w, _ = reference_routing(p, x, cfg)
     n_shards = shape[0] * shape[1] * shape[2]
-    tokens_per_shard = BATCH * SEQ // n_shards
-    capacity = capacity_per_expert(tokens_per_shard, cfg.top_k, cfg.n_routed_experts, cfg.capacity_factor)
-    keep = expected_keep_mask(chosen, n_shards, capacity)
+    n_groups = n_shards // shape[2] if mode == "allgather" else n_shards
+    tokens_per_group = BATCH * SEQ // n_groups
+    capacity = capacity_per_expert(tokens_per_group, cfg.top_k, cfg.n_routed_experts, cfg.capacity_factor)
+    keep = expected_keep_mask(chosen, w, n_groups, capacity, policy)
     expected_dropped = float(np.sum(np.asarray(chosen)) - keep.sum())
     assert expected_dropped > 0, "the skewed router should overflow some expert"
     assert float(stats.dropped) == expected_dropped
@@ -135,3 +149,4 @@ def test_capacity_drops_exactly_the_overflow(shape, devices):
     np.testing.assert_allclose(y, ref_y, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(g_x, ref_gx, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(g_state["w_down_ExFxD"], ref_gp["w_down_ExFxD"], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(g_state["router"]["w_DxE"], ref_gp["router"]["w_DxE"], rtol=1e-4, atol=1e-5)

@@ -18,6 +18,7 @@ class MoEStats(NamedTuple):
 
     aux_loss: jax.Array  # weighted sum of the balance losses, added to the training loss
     seq_aux_loss: jax.Array
+    batch_aux_loss: jax.Array
     z_loss: jax.Array
     tokens_per_expert_E: jax.Array
     dropped: jax.Array
@@ -37,7 +38,10 @@ class MoE(nnx.Module):
         self.w_down_ExFxD = param(rngs, (n_experts, hidden, dim), ("expert", "expert_mlp", "embed"), std=std, dtype=param_dtype)
         self.capacity_factor = float(moe_cfg.capacity_factor)
         self.backend = moe_cfg.backend
+        self.mode = moe_cfg.dispatch
+        self.drop_policy = moe_cfg.drop_policy
         self.seq_aux_loss_coef = float(moe_cfg.seq_aux_loss_coef)
+        self.batch_aux_loss_coef = float(moe_cfg.batch_aux_loss_coef)
         self.z_loss_coef = float(moe_cfg.z_loss_coef)
 
     def __call__(self, x_BxLxD):
@@ -51,10 +55,12 @@ class MoE(nnx.Module):
             routing.expert_idx_BxLxK.reshape(batch * seq, -1),
             routing.expert_w_BxLxK.reshape(batch * seq, -1),
             self.w_gate_ExDxF[...].astype(dt), self.w_up_ExDxF[...].astype(dt), self.w_down_ExFxD[...].astype(dt),
-            capacity_factor=self.capacity_factor, backend=self.backend,
+            capacity_factor=self.capacity_factor, mode=self.mode, drop_policy=self.drop_policy,
+            backend=self.backend,
         )
         out = shared_BxLxD + routed_TxD.reshape(batch, seq, dim)
-        aux = self.seq_aux_loss_coef * routing.seq_aux_loss + self.z_loss_coef * routing.z_loss
-        stats = MoEStats(aux, routing.seq_aux_loss, routing.z_loss, dstats.tokens_per_expert_E,
-                         dstats.dropped, dstats.assignments)
+        aux = (self.seq_aux_loss_coef * routing.seq_aux_loss + self.batch_aux_loss_coef * routing.batch_aux_loss
+               + self.z_loss_coef * routing.z_loss)
+        stats = MoEStats(aux, routing.seq_aux_loss, routing.batch_aux_loss, routing.z_loss,
+                         dstats.tokens_per_expert_E, dstats.dropped, dstats.assignments)
         return out, stats

@@ -1,15 +1,18 @@
-"""Expert dispatch and combine inside `jax.shard_map`: capacity-padded all-to-all over the expert axis.
+"""Expert dispatch and combine inside `jax.shard_map`, selected by `moe.dispatch`.
 
-Per device (tokens are split over every batch axis, experts over `expert`):
-  1. pack:      each (token, k) assignment gets a slot `expert * C + position`, position = its rank among
-                this device's assignments to that expert (stable, so earlier tokens win); assignments at
-                position >= C are dropped and counted. The [E*C, D] buffer is expert-major, so it is
-                already sorted by destination device (experts are laid out contiguously over `expert`).
-  2. all_to_all over `expert`: device j receives, from every source, the rows of its E/ep local experts.
-  3. the local experts run as one grouped matmul over [E_local, ep*C, D] (gmm.py).
-  4. all_to_all back, then combine: gather each assignment's row, weight it by its router weight, sum
-     over k. Dropped assignments contribute zero.
-Without a mesh (single-device reference runs) the same code runs with ep=1 and no collectives.
+Tokens are split over every batch axis, experts over `expert` (ep devices, E/ep local experts each).
+
+  capacity   each device ranks its assignments per expert (routing_plan.py; 'position' or 'probability'
+             drop policy) into a [E*C, D] expert-major buffer, which is therefore sorted by destination
+             device; all_to_all over `expert`; the local experts run as one grouped matmul over
+             [E_local, ep*C, D]; all_to_all back; combine. C = ceil(capacity_factor * T*K / E).
+  allgather  all-gather tokens and routing over `expert`; each device runs its local experts on every
+             gathered token routed to them (capacity over the gathered tokens); reduce-scatter the
+             partial outputs back. Better for small expert groups or large top-k.
+
+Dispatch and combine are gathers through both directions of one permutation (routing_plan.py), also in
+the backward pass. Without a mesh (single-device reference runs) the same code runs with ep=1 and no
+collectives.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from moejax.parallel import gmm
 from moejax.parallel.mesh import BATCH_AXES, EXPERT_AXIS, current_mesh
+from moejax.parallel.routing_plan import combine_rows, dispatch_rows, make_plan
 
 
 class DispatchStats(NamedTuple):
@@ -32,9 +36,9 @@ class DispatchStats(NamedTuple):
 
 
 def capacity_per_expert(tokens_per_device: int, top_k: int, n_experts: int, capacity_factor: float) -> int:
-    """Slots per expert in one device's send buffer. capacity_factor <= 0: worst case, nothing drops.
+    """Slots per expert for `tokens_per_device` tokens. capacity_factor <= 0: worst case, nothing drops.
 
-    One device's tokens choose an expert at most once each, so `tokens_per_device` slots never drop.
+    Tokens choose an expert at most once each, so `tokens_per_device` slots never drop.
     """
     if capacity_factor <= 0:
         return tokens_per_device
@@ -42,37 +46,25 @@ def capacity_per_expert(tokens_per_device: int, top_k: int, n_experts: int, capa
     return max(1, min(tokens_per_device, math.ceil(capacity_factor * balanced)))
 
 
-def _pack(x_TxD, expert_idx_TxK, n_experts: int, capacity: int):
-    """Send buffer [E*C, D] plus each assignment's slot (E*C when dropped) and the local expert counts."""
+def _plan(expert_idx_TxK, expert_w_TxK, n_experts, capacity, drop_policy):
+    priority = expert_w_TxK.reshape(-1) if drop_policy == "probability" else None
+    return make_plan(expert_idx_TxK.reshape(-1), n_experts, capacity, priority)
+
+
+def _stats(counts_E, dropped, assignments, collective: bool) -> DispatchStats:
+    counts_E, dropped, assignments = counts_E.astype(jnp.float32), dropped.astype(jnp.float32), jnp.float32(assignments)
+    if collective:
+        counts_E, dropped, assignments = jax.lax.psum((counts_E, dropped, assignments), BATCH_AXES)
+    return DispatchStats(counts_E, dropped, assignments)
+
+
+def _capacity_moe(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *,
+                  n_experts, ep, capacity, backend, drop_policy, collective):
     n_tokens, top_k = expert_idx_TxK.shape
-    n_assign = n_tokens * top_k
-    expert_A = expert_idx_TxK.reshape(n_assign)
-    order_A = jnp.argsort(expert_A, stable=True)
-    counts_E = jnp.bincount(expert_A, length=n_experts)
-    starts_E = jnp.cumsum(counts_E) - counts_E
-    pos_sorted_A = jnp.arange(n_assign) - starts_E[expert_A[order_A]]
-    pos_A = jnp.zeros((n_assign,), jnp.int32).at[order_A].set(pos_sorted_A.astype(jnp.int32))
-    keep_A = pos_A < capacity
-    n_slots = n_experts * capacity
-    slot_A = jnp.where(keep_A, expert_A * capacity + pos_A, n_slots)
-    token_A = jnp.arange(n_assign) // top_k
-    buf_SxD = jnp.zeros((n_slots, x_TxD.shape[-1]), x_TxD.dtype)
-    buf_SxD = buf_SxD.at[slot_A].set(x_TxD[token_A], mode="drop", unique_indices=True)
-    return buf_SxD, slot_A, keep_A, counts_E
-
-
-def _combine(y_SxD, slot_A, expert_w_TxK):
-    n_tokens, top_k = expert_w_TxK.shape
-    y_AxD = y_SxD.at[slot_A].get(mode="fill", fill_value=0)
-    y_TxKxD = y_AxD.reshape(n_tokens, top_k, -1)
-    return jnp.einsum("tkd,tk->td", y_TxKxD, expert_w_TxK.astype(y_TxKxD.dtype))
-
-
-def _local_moe(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *,
-               n_experts, ep, capacity, backend, collective):
     d_model = x_TxD.shape[-1]
     n_local = n_experts // ep
-    buf_SxD, slot_A, keep_A, counts_E = _pack(x_TxD, expert_idx_TxK, n_experts, capacity)
+    plan = _plan(expert_idx_TxK, expert_w_TxK, n_experts, capacity, drop_policy)
+    buf_SxD = dispatch_rows(x_TxD, plan.slot_A, plan.src_S, top_k)
     if ep > 1:
         # [dest device, E_local*C, D] -> [source device, E_local*C, D]
         buf_PxRxD = jax.lax.all_to_all(buf_SxD.reshape(ep, n_local * capacity, d_model), EXPERT_AXIS, 0, 0)
@@ -87,38 +79,73 @@ def _local_moe(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF, w_
         y_SxD = y_PxRxD.reshape(n_experts * capacity, d_model)
     else:
         y_SxD = y_ExCxD.reshape(n_experts * capacity, d_model)
-    out_TxD = _combine(y_SxD, slot_A, expert_w_TxK)
-    dropped = jnp.sum(~keep_A).astype(jnp.float32)
-    counts_E = counts_E.astype(jnp.float32)
-    assignments = jnp.float32(keep_A.shape[0])
-    if collective:
-        counts_E, dropped, assignments = jax.lax.psum((counts_E, dropped, assignments), BATCH_AXES)
-    return out_TxD, DispatchStats(counts_E, dropped, assignments)
+    out_TxD = combine_rows(y_SxD, expert_w_TxK, plan.slot_A, plan.src_S)
+    dropped = jnp.sum(~plan.keep_A)
+    return out_TxD, _stats(plan.counts_E, dropped, n_tokens * top_k, collective)
+
+
+def _allgather_moe(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *,
+                   n_experts, ep, capacity, backend, drop_policy, collective):
+    n_tokens, top_k = expert_idx_TxK.shape
+    n_local = n_experts // ep
+    if ep > 1:
+        x_all = jax.lax.all_gather(x_TxD, EXPERT_AXIS, tiled=True)
+        idx_all = jax.lax.all_gather(expert_idx_TxK, EXPERT_AXIS, tiled=True)
+        w_all = jax.lax.all_gather(expert_w_TxK, EXPERT_AXIS, tiled=True)
+        first_local = jax.lax.axis_index(EXPERT_AXIS) * n_local
+    else:
+        x_all, idx_all, w_all, first_local = x_TxD, expert_idx_TxK, expert_w_TxK, 0
+    # Assignments to other devices' experts go to a virtual expert n_local whose slots do not exist.
+    local_idx = idx_all - first_local
+    is_local = (local_idx >= 0) & (local_idx < n_local)
+    plan = _plan(jnp.where(is_local, local_idx, n_local), w_all, n_local + 1, capacity, drop_policy)
+    n_slots = n_local * capacity
+    slot_A = jnp.where(plan.slot_A < n_slots, plan.slot_A, n_slots)
+    src_S = plan.src_S[:n_slots]
+    buf_SxD = dispatch_rows(x_all, slot_A, src_S, top_k)
+    y_ExCxD = gmm.expert_ffn(buf_SxD.reshape(n_local, capacity, -1), w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD,
+                             backend=backend)
+    partial_out = combine_rows(y_ExCxD.reshape(n_slots, -1), w_all, slot_A, src_S)
+    out_TxD = jax.lax.psum_scatter(partial_out, EXPERT_AXIS, scatter_dimension=0, tiled=True) if ep > 1 else partial_out
+    # Every device counts drops among the gathered assignments to its own experts: summed over the
+    # mesh that is each dropped assignment once. Loads come from the device's own tokens.
+    dropped = jnp.sum(is_local.reshape(-1) & ~plan.keep_A)
+    counts_E = jnp.bincount(expert_idx_TxK.reshape(-1), length=n_experts)
+    return out_TxD, _stats(counts_E, dropped, n_tokens * top_k, collective)
+
+
+_MODES = {"capacity": _capacity_moe, "allgather": _allgather_moe}
 
 
 def routed_experts(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *,
-                   capacity_factor: float, backend: str = "auto"):
+                   capacity_factor: float, mode: str = "capacity", drop_policy: str = "position",
+                   backend: str = "auto"):
     """Routed-expert output [T, D] for tokens x [T, D] and their top-k experts/weights [T, K]."""
     n_experts = w_gate_ExDxF.shape[0]
     top_k = expert_idx_TxK.shape[-1]
+    body_fn = _MODES[mode]
     mesh = current_mesh()
     if mesh is None:
         capacity = capacity_per_expert(x_TxD.shape[0], top_k, n_experts, capacity_factor)
-        return _local_moe(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD,
-                          n_experts=n_experts, ep=1, capacity=capacity, backend=backend, collective=False)
+        return body_fn(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD,
+                       n_experts=n_experts, ep=1, capacity=capacity, backend=backend, drop_policy=drop_policy,
+                       collective=False)
 
     ep = mesh.shape[EXPERT_AXIS]
     batch_shards = math.prod(mesh.shape[a] for a in BATCH_AXES)
     if x_TxD.shape[0] % batch_shards:
         raise ValueError(f"{x_TxD.shape[0]} tokens do not split over {batch_shards} batch shards")
-    capacity = capacity_per_expert(x_TxD.shape[0] // batch_shards, top_k, n_experts, capacity_factor)
+    tokens_per_device = x_TxD.shape[0] // batch_shards
+    # allgather: each expert sees the tokens of its whole expert group.
+    seen = tokens_per_device * ep if mode == "allgather" else tokens_per_device
+    capacity = capacity_per_expert(seen, top_k, n_experts, capacity_factor)
     tokens = P(BATCH_AXES, None)
     experts = P(EXPERT_AXIS, None, None)  # fsdp/tensor shards of expert weights are gathered at entry
     stats_spec = DispatchStats(P(), P(), P())
 
     def body(*args):
-        return _local_moe(*args, n_experts=n_experts, ep=ep, capacity=capacity, backend=backend,
-                          collective=True)
+        return body_fn(*args, n_experts=n_experts, ep=ep, capacity=capacity, backend=backend,
+                       drop_policy=drop_policy, collective=True)
 
     return jax.shard_map(
         body, mesh=mesh, in_specs=(tokens, tokens, tokens, experts, experts, experts),

@@ -38,6 +38,7 @@ def _moe_metrics(stats, model_state) -> dict:
     return {
         "aux_loss": jnp.sum(stats.aux_loss),
         "seq_aux_loss": jnp.mean(stats.seq_aux_loss),
+        "batch_aux_loss": jnp.mean(stats.batch_aux_loss),
         "z_loss": jnp.mean(stats.z_loss),
         "expert_imbalance": jnp.max(imbalance_L),
         "expert_imbalance_per_layer": imbalance_L,
