@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moejax.model.layers import param
+from moejax.parallel.mesh import map_over_batch
 
 
 class RouterBias(nnx.Variable):
@@ -51,6 +52,11 @@ class Router(nnx.Module):
         masked = jnp.where(keep_BxLxG[..., None], grouped, -jnp.inf)
         return masked.reshape(choice_BxLxE.shape)
 
+    def _choose(self, choice_BxLxE):
+        if self.n_groups > 1:
+            choice_BxLxE = self._limit_groups(choice_BxLxE)
+        return jax.lax.top_k(choice_BxLxE, self.top_k)[1]
+
     def __call__(self, x_BxLxD) -> Routing:
         # Routing decisions in f32: bf16 logits flip near-ties between experts.
         logits_BxLxE = jnp.einsum("bld,de->ble", x_BxLxD.astype(jnp.float32), self.w_DxE[...].astype(jnp.float32))
@@ -58,10 +64,8 @@ class Router(nnx.Module):
             scores_BxLxE = jax.nn.sigmoid(logits_BxLxE)
         else:
             scores_BxLxE = jax.nn.softmax(logits_BxLxE, axis=-1)
-        choice = scores_BxLxE + jax.lax.stop_gradient(self.bias_E[...])
-        if self.n_groups > 1:
-            choice = self._limit_groups(choice)
-        _, expert_idx_BxLxK = jax.lax.top_k(choice, self.top_k)
+        choice = jax.lax.stop_gradient(scores_BxLxE + self.bias_E[...])
+        expert_idx_BxLxK = map_over_batch(self._choose, choice)
         weights = jnp.take_along_axis(scores_BxLxE, expert_idx_BxLxK, axis=-1)
         if self.norm_topk_prob:
             weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)

@@ -72,6 +72,19 @@ def constrain(x, names):
     return jax.lax.with_sharding_constraint(x, logical_to_spec(names))
 
 
+def map_over_batch(fn, *arrays_BxN):
+    """fn applied to each device's batch shard (leading dim) inside shard_map; plain call without a mesh.
+
+    For per-token ops GSPMD cannot partition: XLA replicates lax.top_k (all-gathering its input) rather
+    than splitting it over the batch.
+    """
+    mesh = current_mesh()
+    if mesh is None:
+        return fn(*arrays_BxN)
+    spec = P(BATCH_AXES)
+    return jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * len(arrays_BxN), out_specs=spec)(*arrays_BxN)
+
+
 def named_sharding(mesh: Mesh, names) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec(names))
 
