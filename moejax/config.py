@@ -14,7 +14,7 @@ import ml_collections
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 DTYPES = ("float32", "bfloat16", "float16")
 SCORE_FUNCS = ("sigmoid", "softmax")
-DISPATCH_MODES = ("capacity", "allgather")
+DISPATCH_MODES = ("capacity", "allgather", "dropless")
 DROP_POLICIES = ("position", "probability")
 GMM_BACKENDS = ("auto", "einsum", "ragged_dot")
 REMAT_POLICIES = ("none", "full", "dots")
@@ -58,6 +58,7 @@ def default_config() -> ml_collections.ConfigDict:
     e.drop_policy = "position"  # over capacity, drop the latest tokens (position) or the lowest-weight ones
     e.backend = "auto"
     e.capacity_factor = 2.0  # <= 0 means worst case: no token is ever dropped
+    e.dropless_recv_factor = 0.0  # dropless receive buffer: <= 0 worst case, else x the balanced load
     e.seq_aux_loss_coef = 1e-4  # DeepSeek-V3 sequence-wise balance loss (alpha)
     e.batch_aux_loss_coef = 0.0  # the same balance loss over the whole global batch (Switch/GShard style)
     e.z_loss_coef = 0.0

@@ -56,3 +56,29 @@ def test_hlo_parser_reads_tuples_groups_and_async_pairs():
     ])
     assert collective_bytes(hlo) == {"all-to-all": 2 * 16 * 32 * 4, "all-gather": 64 * 32 * 2,
                                      "reduce-scatter": 4 * 16 * 32 * 4}
+
+
+def test_dropless_gpu_lowering_moves_only_routed_rows(devices):
+    """Lowered for GPU (no GPU needed to lower), dropless exchanges each device's T*K routed rows with
+    two ragged_all_to_all ops and nothing else of row size: the dense all_to_alls carry only counts and
+    offsets. (XLA:CPU runs the emulation instead; tests/test_moe_parallel.py checks its results.)"""
+    import re
+
+    from moejax.parallel.dispatch import dropless_recv_bound
+
+    c = default_config().moe
+    c.n_routed_experts, c.top_k, c.d_ff_expert, c.n_shared_experts, c.dispatch = E, K, 16, 1, "dropless"
+    graphdef, state = nnx.split(MoE(D, c, rngs=nnx.Rngs(0), std=0.3))
+    mesh = make_mesh(MESH, devices)
+    state = jax.device_put(state, state_shardings(state, mesh))
+    x = jax.device_put(jnp.ones((BATCH, SEQ, D)), batch_sharding(mesh))
+    with jax.set_mesh(mesh):
+        traced = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x)[0]).trace(state, x)
+        text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    routed_rows = BATCH * SEQ // 8 * K
+    bound = dropless_recv_bound(BATCH * SEQ // 8, K, MESH["expert"], E // MESH["expert"], 0.0)
+    ragged = re.findall(r"custom_call @ragged_all_to_all\(.*?\) \{.*?\} : \((tensor<[^>]+>), (tensor<[^>]+>)", text)
+    assert ragged == [(f"tensor<{routed_rows}x{D}xf32>", f"tensor<{bound}x{D}xf32>"),
+                      (f"tensor<{bound}x{D}xf32>", f"tensor<{routed_rows}x{D}xf32>")]
+    dense = re.findall(r'"stablehlo.all_to_all"\(%\w+\).*?: \((tensor<[^>]+>)\)', text)
+    assert dense and all(t.endswith("xi32>") or t == "tensor<4xi32>" for t in dense), dense

@@ -16,8 +16,10 @@ from tests.moe_reference import reference_moe, reference_routing
 D_MODEL, BATCH, SEQ = 32, 16, 8
 
 
-def moe_cfg(capacity_factor=0.0, backend="auto", score_func="sigmoid", mode="capacity", drop_policy="position"):
+def moe_cfg(capacity_factor=0.0, backend="auto", score_func="sigmoid", mode="capacity", drop_policy="position",
+            recv_factor=0.0):
     c = default_config().moe
+    c.dropless_recv_factor = recv_factor
     c.n_routed_experts, c.top_k, c.d_ff_expert, c.n_shared_experts = 8, 2, 16, 1
     c.capacity_factor = capacity_factor
     c.backend, c.score_func, c.dispatch, c.drop_policy = backend, score_func, mode, drop_policy
@@ -75,7 +77,7 @@ CASES = [(shape, mode, "auto", "sigmoid") for mode in ("capacity", "allgather") 
     ((2, 1, 4, 1), "capacity", "ragged_dot", "sigmoid"),
     ((1, 2, 4, 1), "allgather", "ragged_dot", "softmax"),
     ((1, 2, 4, 1), "capacity", "einsum", "softmax"),
-]
+] + [(shape, "dropless", "auto", "sigmoid") for shape in [(8, 1, 1, 1), (2, 1, 4, 1), (1, 1, 8, 1), (1, 2, 4, 1), (2, 1, 2, 2)]]
 
 
 @pytest.mark.parametrize("shape,mode,backend,score_func", CASES,
@@ -150,3 +152,54 @@ def test_capacity_drops_exactly_what_the_policy_says(shape, mode, policy, device
     np.testing.assert_allclose(g_x, ref_gx, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(g_state["w_down_ExFxD"], ref_gp["w_down_ExFxD"], rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(g_state["router"]["w_DxE"], ref_gp["router"]["w_DxE"], rtol=1e-4, atol=1e-5)
+
+
+def expected_dropless_keep(chosen_BxLxE, mesh_shape, recv_bound):
+    """Dropless with a receive bound: each receiver takes its sources in expert-axis order, each source's
+    rows sorted by expert then by (token, k), until recv_bound rows; the rest are dropped."""
+    data, fsdp, ep, _ = mesh_shape
+    n_experts = chosen_BxLxE.shape[-1]
+    n_local = n_experts // ep
+    shards = np.asarray(chosen_BxLxE).reshape(data * fsdp, ep, -1, n_experts) > 0  # [group, source, T, E]
+    keep = np.zeros_like(shards)
+    for g in range(data * fsdp):
+        for d in range(ep):
+            room = recv_bound
+            for src in range(ep):
+                for e in range(d * n_local, (d + 1) * n_local):  # sorted by expert, then token order
+                    for t in np.nonzero(shards[g, src, :, e])[0]:
+                        if room > 0:
+                            keep[g, src, t, e] = True
+                            room -= 1
+    return keep.reshape(chosen_BxLxE.shape).astype(np.float32)
+
+
+def test_dropless_never_drops_and_a_receive_bound_drops_exactly_the_overflow(devices):
+    from moejax.parallel.dispatch import dropless_recv_bound
+
+    shape = (2, 1, 4, 1)
+    cfg = moe_cfg(mode="dropless", recv_factor=0.75)
+    moe = make_moe(cfg, 21)
+    moe.router.bias_E[...] = jnp.array([0.5, 0.4, 0, 0, 0, 0, 0, 0], jnp.float32)  # device 0 is swamped
+    x, cot = inputs(21)
+    value, y, stats, g_state, g_x = run_on_mesh(moe, x, cot, dict(zip(("data", "fsdp", "expert", "tensor"), shape)), devices)
+    p = nnx.to_pure_dict(nnx.state(moe))
+    chosen, _, _ = reference_routing(p, x, cfg)
+    bound = dropless_recv_bound(BATCH * SEQ // 8, cfg.top_k, 4, 2, 0.75)
+    keep = expected_dropless_keep(chosen, shape, bound)
+    expected_dropped = float(np.sum(np.asarray(chosen)) - keep.sum())
+    assert expected_dropped > 0
+    assert float(stats.dropped) == expected_dropped
+    (_, (ref_y, _)), (ref_gp, ref_gx) = reference_value_and_grad(cfg, jnp.asarray(keep))(p, x, cot)
+    np.testing.assert_allclose(y, ref_y, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(g_x, ref_gx, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(g_state["w_up_ExDxF"], ref_gp["w_up_ExDxF"], rtol=1e-4, atol=1e-5)
+
+    # The same skewed router with the worst-case buffer drops nothing.
+    cfg.dropless_recv_factor = 0.0
+    moe2 = make_moe(cfg, 21)
+    moe2.router.bias_E[...] = moe.router.bias_E[...]
+    _, y2, stats2, _, _ = run_on_mesh(moe2, x, cot, dict(zip(("data", "fsdp", "expert", "tensor"), shape)), devices)
+    assert float(stats2.dropped) == 0.0
+    (_, (ref_y2, _)), _ = reference_value_and_grad(cfg)(p, x, cot)
+    np.testing.assert_allclose(y2, ref_y2, rtol=1e-5, atol=1e-5)

@@ -40,6 +40,7 @@ class MoE(nnx.Module):
         self.backend = moe_cfg.backend
         self.mode = moe_cfg.dispatch
         self.drop_policy = moe_cfg.drop_policy
+        self.recv_factor = float(moe_cfg.dropless_recv_factor)
         self.seq_aux_loss_coef = float(moe_cfg.seq_aux_loss_coef)
         self.batch_aux_loss_coef = float(moe_cfg.batch_aux_loss_coef)
         self.z_loss_coef = float(moe_cfg.z_loss_coef)
@@ -56,7 +57,7 @@ class MoE(nnx.Module):
             routing.expert_w_BxLxK.reshape(batch * seq, -1),
             self.w_gate_ExDxF[...].astype(dt), self.w_up_ExDxF[...].astype(dt), self.w_down_ExFxD[...].astype(dt),
             capacity_factor=self.capacity_factor, mode=self.mode, drop_policy=self.drop_policy,
-            backend=self.backend,
+            backend=self.backend, recv_factor=self.recv_factor,
         )
         out = shared_BxLxD + routed_TxD.reshape(batch, seq, dim)
         aux = (self.seq_aux_loss_coef * routing.seq_aux_loss + self.batch_aux_loss_coef * routing.batch_aux_loss
