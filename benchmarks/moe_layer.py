@@ -45,6 +45,7 @@ def main():
     ap.add_argument("--d_ff", type=int, default=256)
     ap.add_argument("--expert_parallel", type=int, default=8)
     ap.add_argument("--capacity_factor", type=float, default=1.25)
+    ap.add_argument("--recv_factor", type=float, default=1.25, help="dropless receive bound x balanced load")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", default=None)
@@ -76,11 +77,11 @@ def main():
         ideal = jax.jit(jax.grad(ideal_loss, argnums=(0, 1, 2, 3)))
         t_ideal = timed(ideal, (x, wg, wu, wd), a.repeats)
         rows.append({"mode": "ideal (dense)", "backend": "-", "time_s": t_ideal, "ratio": 1.0})
-        for mode in ("capacity", "allgather"):
+        for mode in ("capacity", "allgather", "dropless"):
             for backend in ("einsum", "ragged_dot"):
                 def loss(x, wg, wu, wd, mode=mode, backend=backend):
                     y, _ = routed_experts(x, idx_TxK, w_TxK, wg, wu, wd, capacity_factor=a.capacity_factor,
-                                          mode=mode, backend=backend)
+                                          mode=mode, backend=backend, recv_factor=a.recv_factor)
                     return jnp.sum(y ** 2)
 
                 fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))

@@ -77,6 +77,7 @@ CASES = [(shape, mode, "auto", "sigmoid") for mode in ("capacity", "allgather") 
     ((2, 1, 4, 1), "capacity", "ragged_dot", "sigmoid"),
     ((1, 2, 4, 1), "allgather", "ragged_dot", "softmax"),
     ((1, 2, 4, 1), "capacity", "einsum", "softmax"),
+    ((2, 1, 4, 1), "dropless", "ragged_dot", "softmax"),
 ] + [(shape, "dropless", "auto", "sigmoid") for shape in [(8, 1, 1, 1), (2, 1, 4, 1), (1, 1, 8, 1), (1, 2, 4, 1), (2, 1, 2, 2)]]
 
 

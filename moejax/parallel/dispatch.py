@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from moejax.parallel import gmm
-from moejax.parallel.mesh import BATCH_AXES, EXPERT_AXIS, current_mesh
+from moejax.parallel.mesh import BATCH_AXES, EXPERT_AXIS, FFN_AXIS, current_mesh
 from moejax.parallel.routing_plan import combine_rows, dispatch_rows, make_plan
 
 
@@ -72,7 +72,7 @@ def _stats(counts_E, dropped, assignments, collective: bool) -> DispatchStats:
     return DispatchStats(counts_E, dropped, assignments)
 
 
-def _capacity_moe(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *,
+def _capacity_moe(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, ffn_axis,
                   n_experts, ep, capacity, backend, drop_policy, collective):
     n_tokens, top_k = expert_idx_TxK.shape
     d_model = x_TxD.shape[-1]
@@ -86,7 +86,7 @@ def _capacity_moe(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF,
         x_ExCxD = x_ExCxD.reshape(n_local, ep * capacity, d_model)
     else:
         x_ExCxD = buf_SxD.reshape(n_experts, capacity, d_model)
-    y_ExCxD = gmm.expert_ffn(x_ExCxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, backend=backend)
+    y_ExCxD = gmm.expert_ffn(x_ExCxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, backend=backend, ffn_axis=ffn_axis)
     if ep > 1:
         y_PxRxD = y_ExCxD.reshape(n_local, ep, capacity, d_model).transpose(1, 0, 2, 3)
         y_PxRxD = jax.lax.all_to_all(y_PxRxD.reshape(ep, n_local * capacity, d_model), EXPERT_AXIS, 0, 0)
@@ -98,7 +98,7 @@ def _capacity_moe(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF,
     return out_TxD, _stats(plan.counts_E, dropped, n_tokens * top_k, collective)
 
 
-def _allgather_moe(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *,
+def _allgather_moe(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, ffn_axis,
                    n_experts, ep, capacity, backend, drop_policy, collective):
     n_tokens, top_k = expert_idx_TxK.shape
     n_local = n_experts // ep
@@ -118,7 +118,7 @@ def _allgather_moe(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF
     src_S = plan.src_S[:n_slots]
     buf_SxD = dispatch_rows(x_all, slot_A, src_S, top_k)
     y_ExCxD = gmm.expert_ffn(buf_SxD.reshape(n_local, capacity, -1), w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD,
-                             backend=backend)
+                             backend=backend, ffn_axis=ffn_axis)
     partial_out = combine_rows(y_ExCxD.reshape(n_slots, -1), w_all, slot_A, src_S)
     out_TxD = jax.lax.psum_scatter(partial_out, EXPERT_AXIS, scatter_dimension=0, tiled=True) if ep > 1 else partial_out
     # Every device counts drops among the gathered assignments to its own experts: summed over the
@@ -165,7 +165,7 @@ def _ragged_exchange(rows_NxD, input_offsets, send_sizes, output_offsets, recv_s
                                       cpu=emulated, default=native)
 
 
-def _dropless_moe(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *,
+def _dropless_moe(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, ffn_axis,
                   n_experts, ep, capacity, backend, drop_policy, collective):
     """Exact ragged exchange: only routed rows move. `capacity` here is the receive bound in rows."""
     n_tokens, top_k = expert_idx_TxK.shape
@@ -205,14 +205,26 @@ def _dropless_moe(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF,
     ends_PxL = jnp.cumsum(recv_counts_PxL, axis=1)
     expert_R = jnp.sum(pos_R[:, None] >= ends_PxL[source_R], axis=1)
     expert_R = jnp.where(valid_R, expert_R, n_local)  # padding rows go to a virtual expert with no slots
-    group_plan = make_plan(expert_R, n_local + 1, recv_bound)
-    n_slots = n_local * recv_bound
-    slot_R = jnp.where(group_plan.slot_A < n_slots, group_plan.slot_A, n_slots)
-    buf_SxD = dispatch_rows(recv_rows, slot_R, group_plan.src_S[:n_slots], 1)
-    y_ExCxD = gmm.expert_ffn(buf_SxD.reshape(n_local, recv_bound, -1), w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD,
-                             backend=backend)
-    ones_R = jnp.ones_like(recv_rows[:, :1], dtype=y_ExCxD.dtype)  # varies like the rows (check_vma)
-    y_recv = combine_rows(y_ExCxD.reshape(n_slots, -1), ones_R, slot_R, group_plan.src_S[:n_slots])
+    ones_R = jnp.ones_like(recv_rows[:, :1])  # combine weights of 1; varies like the rows (check_vma)
+    if gmm.resolve_backend(backend, ragged_groups=True) == "ragged_dot":
+        # Rows sorted by local expert, one ragged grouped matmul: no padding at all.
+        order_R = jnp.argsort(expert_R, stable=True).astype(jnp.int32)
+        rank_R = jnp.argsort(order_R).astype(jnp.int32)
+        sorted_rows = dispatch_rows(recv_rows, rank_R, order_R, 1)
+        group_sizes = jnp.bincount(expert_R, length=n_local + 1)[:n_local].astype(jnp.int32)
+        y_sorted_R = gmm.ragged_expert_ffn(sorted_rows, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, group_sizes,
+                                           ffn_axis=ffn_axis)
+        y_recv = combine_rows(y_sorted_R, ones_R.astype(y_sorted_R.dtype), rank_R, order_R)
+    else:
+        # Padded to [E_local, recv_bound, D] for the batched einsum (CPU: no E-times masked work).
+        group_plan = make_plan(expert_R, n_local + 1, recv_bound)
+        n_slots = n_local * recv_bound
+        slot_R = jnp.where(group_plan.slot_A < n_slots, group_plan.slot_A, n_slots)
+        buf_SxD = dispatch_rows(recv_rows, slot_R, group_plan.src_S[:n_slots], 1)
+        y_ExCxD = gmm.expert_ffn(buf_SxD.reshape(n_local, recv_bound, -1), w_gate_ExDxF, w_up_ExDxF,
+                                 w_down_ExFxD, backend="einsum", ffn_axis=ffn_axis)
+        y_recv = combine_rows(y_ExCxD.reshape(n_slots, -1), ones_R.astype(y_ExCxD.dtype), slot_R,
+                              group_plan.src_S[:n_slots])
     # Back to the senders, into their sorted order, then to (token, k) and combine.
     if ep > 1:
         # Each row returns to where it came from: source p's sorted buffer at p's input offset for me.
@@ -245,7 +257,7 @@ def routed_experts(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF
                     else capacity_per_expert(x_TxD.shape[0], top_k, n_experts, capacity_factor))
         return body_fn(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD,
                        n_experts=n_experts, ep=1, capacity=capacity, backend=backend, drop_policy=drop_policy,
-                       collective=False)
+                       collective=False, ffn_axis=None)
 
     ep = mesh.shape[EXPERT_AXIS]
     batch_shards = math.prod(mesh.shape[a] for a in BATCH_AXES)
@@ -258,14 +270,19 @@ def routed_experts(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF
     if mode == "dropless":
         capacity = dropless_recv_bound(tokens_per_device, top_k, ep, n_experts // ep, recv_factor)
     tokens = P(BATCH_AXES, None)
-    experts = P(EXPERT_AXIS, None, None)  # fsdp/tensor shards of expert weights are gathered at entry
+    # Expert weights enter split over `expert` and, on the FFN dim, over the tensor axis (their stored
+    # sharding); their fsdp shards are all-gathered at the boundary. Tokens are replicated over tensor,
+    # so each tensor rank computes its FFN slice and the down projection is psum'd over tensor.
+    ffn_axis = FFN_AXIS if mesh.shape[FFN_AXIS] > 1 else None
+    w_in = P(EXPERT_AXIS, None, ffn_axis)  # gate, up: [E, D, F]
+    w_out = P(EXPERT_AXIS, ffn_axis, None)  # down: [E, F, D]
     stats_spec = DispatchStats(P(), P(), P())
 
     def body(*args):
         return body_fn(*args, n_experts=n_experts, ep=ep, capacity=capacity, backend=backend,
-                       drop_policy=drop_policy, collective=True)
+                       drop_policy=drop_policy, collective=True, ffn_axis=ffn_axis)
 
     return jax.shard_map(
-        body, mesh=mesh, in_specs=(tokens, tokens, tokens, experts, experts, experts),
+        body, mesh=mesh, in_specs=(tokens, tokens, tokens, w_in, w_in, w_out),
         out_specs=(tokens, stats_spec),
     )(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)

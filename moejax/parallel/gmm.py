@@ -4,8 +4,9 @@ Buffers arrive as [E_local, C, D]: each local expert owns C padded rows. Two bac
   einsum      a batched einsum over the expert dim: one GEMM per expert, no wasted work (fast on CPU).
   ragged_dot  `lax.ragged_dot` over the flattened rows with equal group sizes; on GPU/TPU XLA emits a
               grouped GEMM, on CPU it becomes a dense masked matmul over all groups (E times the work).
-`auto` picks einsum: with padded buffers every group has the same size, so the batched einsum is the
-grouped GEMM.
+`auto` picks einsum for padded buffers: every group has the same size, so the batched einsum is the
+grouped GEMM. Dropless dispatch has ragged groups: there `auto` means a ragged grouped matmul on GPU/TPU
+(tokamax's kernel when that package is installed, else `lax.ragged_dot`) and the padded einsum on CPU.
 """
 
 from __future__ import annotations
@@ -14,8 +15,34 @@ import jax
 import jax.numpy as jnp
 
 
-def resolve_backend(backend: str) -> str:
-    return "einsum" if backend == "auto" else backend
+def resolve_backend(backend: str, *, ragged_groups: bool = False) -> str:
+    if backend != "auto":
+        return backend
+    if ragged_groups and jax.devices()[0].platform in ("gpu", "tpu"):
+        return "ragged_dot"
+    return "einsum"
+
+
+def _ragged_dot_impl():
+    """tokamax's fused grouped matmul where installed (GPU), else XLA's ragged_dot."""
+    if jax.devices()[0].platform == "gpu":
+        try:
+            import tokamax  # optional: pip install tokamax
+
+            return tokamax.ragged_dot
+        except ImportError:
+            pass
+    return jax.lax.ragged_dot
+
+
+def ragged_expert_ffn(x_RxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, group_sizes_E, *, ffn_axis=None):
+    """SwiGLU FFN over rows sorted by expert, expert e owning the next group_sizes_E[e] rows; rows past
+    the groups come out zero. ffn_axis as in expert_ffn."""
+    dot = _ragged_dot_impl()
+    gate_RxF = dot(x_RxD, w_gate_ExDxF, group_sizes_E)
+    up_RxF = dot(x_RxD, w_up_ExDxF, group_sizes_E)
+    y = dot(jax.nn.silu(gate_RxF) * up_RxF, w_down_ExFxD, group_sizes_E)
+    return jax.lax.psum(y, ffn_axis) if ffn_axis else y
 
 
 def _einsum_ffn(x_ExCxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD):
@@ -37,6 +64,8 @@ def _ragged_dot_ffn(x_ExCxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD):
 _BACKENDS = {"einsum": _einsum_ffn, "ragged_dot": _ragged_dot_ffn}
 
 
-def expert_ffn(x_ExCxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, backend: str = "auto"):
-    """SwiGLU FFN of each local expert applied to its own rows."""
-    return _BACKENDS[resolve_backend(backend)](x_ExCxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
+def expert_ffn(x_ExCxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, backend: str = "auto", ffn_axis=None):
+    """SwiGLU FFN of each local expert applied to its own rows. With ffn_axis, the weights hold this
+    device's slice of the FFN dim, and the partial outputs are summed over that mesh axis."""
+    y = _BACKENDS[resolve_backend(backend)](x_ExCxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
+    return jax.lax.psum(y, ffn_axis) if ffn_axis else y

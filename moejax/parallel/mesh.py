@@ -16,6 +16,7 @@ from moejax.config import MESH_AXES
 # Tokens are split over every axis that is not model-parallel: experts see all of them through all-to-all.
 BATCH_AXES = ("data", "fsdp", "expert")
 EXPERT_AXIS = "expert"
+FFN_AXIS = "tensor"  # expert FFN slices inside the dispatch shard_map (LOGICAL_RULES["expert_mlp"])
 
 LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     # activations
@@ -29,7 +30,7 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "heads": "tensor",
     "head_dim": None,
     "expert": EXPERT_AXIS,
-    "expert_mlp": "tensor",
+    "expert_mlp": FFN_AXIS,
     "router_expert": None,  # the router's expert dim stays whole: every token scores every expert
     "layers": None,  # the scanned layer dim
     "norm": None,
