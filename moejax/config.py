@@ -11,6 +11,8 @@ import math
 
 import ml_collections
 
+from moejax.data.corpus import BYTE_VOCAB
+
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 DTYPES = ("float32", "bfloat16", "float16")
 SCORE_FUNCS = ("sigmoid", "softmax")
@@ -187,8 +189,8 @@ def validate(cfg, n_devices: int) -> dict[str, int]:
         )
     if t.seq_len > m.max_seq_len:
         raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
-    if m.vocab_size < 259:
-        raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than the byte tokenizer's 259 ids")
+    if m.vocab_size < BYTE_VOCAB:
+        raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than the byte tokenizer's {BYTE_VOCAB} ids")
     if cfg.data.corpus != "stdlib":
         raise ConfigError(f"data.corpus={cfg.data.corpus!r}: only the embedded 'stdlib' corpus exists so far")
     if cfg.profile.start_step >= 0 and cfg.profile.num_steps <= 0:

@@ -93,7 +93,3 @@ def named_sharding(mesh: Mesh, names) -> NamedSharding:
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Sharding of a [batch, seq] token array."""
     return named_sharding(mesh, ("batch", "seq"))
-
-
-def replicated(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, P())
