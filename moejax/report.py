@@ -40,7 +40,7 @@ def read_metrics(workdir: Path) -> list[dict]:
 
 def summarize(records: list[dict]) -> dict:
     last = records[-1]
-    timed = [r for r in records[1:]] or records  # the first window holds warm-up effects
+    timed = records[1:] or records  # the first window holds warm-up effects
     evals = [r for r in records if "eval_loss" in r]
     out = {
         "steps": last["step"], "loss_first": records[0]["loss"], "loss_last": last["loss"],

@@ -60,6 +60,15 @@ def dropless_recv_bound(tokens_per_device: int, top_k: int, ep: int, n_local: in
     return max(1, min(worst, math.ceil(recv_factor * tokens_per_device * top_k)))
 
 
+def _buffer_rows(mode, tokens_per_device, top_k, n_experts, ep, capacity_factor, recv_factor) -> int:
+    """Per-expert slots (capacity, allgather) or the receive bound in rows (dropless)."""
+    if mode == "dropless":
+        return dropless_recv_bound(tokens_per_device, top_k, ep, n_experts // ep, recv_factor)
+    # allgather: each expert sees the tokens of its whole expert group.
+    seen = tokens_per_device * ep if mode == "allgather" else tokens_per_device
+    return capacity_per_expert(seen, top_k, n_experts, capacity_factor)
+
+
 def _plan(expert_idx_TxK, expert_w_TxK, n_experts, capacity, drop_policy):
     priority = expert_w_TxK.reshape(-1) if drop_policy == "probability" else None
     return make_plan(expert_idx_TxK.reshape(-1), n_experts, capacity, priority)
@@ -253,8 +262,7 @@ def routed_experts(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF
     body_fn = _MODES[mode]
     mesh = current_mesh()
     if mesh is None:
-        capacity = (x_TxD.shape[0] * top_k if mode == "dropless"
-                    else capacity_per_expert(x_TxD.shape[0], top_k, n_experts, capacity_factor))
+        capacity = _buffer_rows(mode, x_TxD.shape[0], top_k, n_experts, 1, capacity_factor, recv_factor)
         return body_fn(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD,
                        n_experts=n_experts, ep=1, capacity=capacity, backend=backend, drop_policy=drop_policy,
                        collective=False, ffn_axis=None)
@@ -263,12 +271,8 @@ def routed_experts(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF
     batch_shards = math.prod(mesh.shape[a] for a in BATCH_AXES)
     if x_TxD.shape[0] % batch_shards:
         raise ValueError(f"{x_TxD.shape[0]} tokens do not split over {batch_shards} batch shards")
-    tokens_per_device = x_TxD.shape[0] // batch_shards
-    # allgather: each expert sees the tokens of its whole expert group.
-    seen = tokens_per_device * ep if mode == "allgather" else tokens_per_device
-    capacity = capacity_per_expert(seen, top_k, n_experts, capacity_factor)
-    if mode == "dropless":
-        capacity = dropless_recv_bound(tokens_per_device, top_k, ep, n_experts // ep, recv_factor)
+    capacity = _buffer_rows(mode, x_TxD.shape[0] // batch_shards, top_k, n_experts, ep, capacity_factor,
+                            recv_factor)
     tokens = P(BATCH_AXES, None)
     # Expert weights enter split over `expert` and, on the FFN dim, over the tensor axis (their stored
     # sharding); their fsdp shards are all-gathered at the boundary. Tokens are replicated over tensor,

@@ -53,11 +53,9 @@ def _einsum_ffn(x_ExCxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD):
 
 def _ragged_dot_ffn(x_ExCxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD):
     n_experts, capacity, d_model = x_ExCxD.shape
-    x_RxD = x_ExCxD.reshape(n_experts * capacity, d_model)
     group_sizes_E = jnp.full((n_experts,), capacity, dtype=jnp.int32)
-    gate_RxF = jax.lax.ragged_dot(x_RxD, w_gate_ExDxF, group_sizes_E)
-    up_RxF = jax.lax.ragged_dot(x_RxD, w_up_ExDxF, group_sizes_E)
-    y_RxD = jax.lax.ragged_dot(jax.nn.silu(gate_RxF) * up_RxF, w_down_ExFxD, group_sizes_E)
+    y_RxD = ragged_expert_ffn(x_ExCxD.reshape(n_experts * capacity, d_model), w_gate_ExDxF, w_up_ExDxF,
+                              w_down_ExFxD, group_sizes_E)
     return y_RxD.reshape(n_experts, capacity, d_model)
 
 
