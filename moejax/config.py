@@ -20,6 +20,8 @@ DISPATCH_MODES = ("capacity", "allgather", "dropless")
 DROP_POLICIES = ("position", "probability")
 GMM_BACKENDS = ("auto", "einsum", "ragged_dot")
 REMAT_POLICIES = ("none", "full", "dots")
+ATTENTION_KINDS = ("gqa", "mla")  # gqa covers MHA (n_kv_heads == n_heads); mla is DeepSeek's latent attention
+ROPE_SCALINGS = ("none", "yarn")
 
 
 class ConfigError(ValueError):
@@ -35,10 +37,31 @@ def default_config() -> ml_collections.ConfigDict:
     m.d_model = 128
     m.n_layers = 4
     m.first_k_dense = 1  # DeepSeek-style: the first k layers use a dense FFN
+    m.attention = "gqa"
     m.n_heads = 4
+    m.n_kv_heads = 0  # gqa: key/value heads; 0 means n_heads (plain multi-head attention)
     m.head_dim = 32
+    m.qk_norm = False  # gqa: RMSNorm over head_dim on q and k before RoPE (Qwen3)
+    # mla (DeepSeek-V2/V3): q through a low-rank bottleneck with a norm (q_lora_rank 0: full-rank q),
+    # k/v from one compressed latent with a norm, and a decoupled RoPE key shared by all heads.
+    m.q_lora_rank = 0
+    m.kv_lora_rank = 0
+    m.qk_nope_head_dim = 0
+    m.qk_rope_head_dim = 0
+    m.v_head_dim = 0
     m.d_ff = 512  # dense-layer FFN width
     m.rope_theta = 10000.0
+    m.rope_interleave = False  # rotate pairs (2i, 2i+1) (DeepSeek checkpoints) instead of (i, i + K/2)
+    m.rope_scaling = "none"
+    m.yarn = y = ml_collections.ConfigDict()
+    y.factor = 1.0
+    y.original_max_position = 4096
+    y.beta_fast = 32.0
+    y.beta_slow = 1.0
+    y.mscale = 1.0
+    y.mscale_all_dim = 0.0
+    m.mtp_depth = 0  # multi-token prediction modules (DeepSeek-V3: 1)
+    m.mtp_loss_weight = 0.3
     m.norm_eps = 1e-6
     m.max_seq_len = 4096
     m.dtype = "float32"  # compute dtype; params stay in param_dtype
@@ -143,6 +166,26 @@ def _check_choice(name, value, choices):
         raise ConfigError(f"{name}={value!r} is not one of {', '.join(map(repr, choices))}")
 
 
+def _validate_attention(m):
+    if m.attention == "gqa":
+        kv = m.n_kv_heads or m.n_heads
+        if kv <= 0 or m.n_heads % kv:
+            raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}")
+    else:
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if int(m[name]) <= 0:
+                raise ConfigError(f"model.{name}={m[name]} must be positive for model.attention='mla'")
+        if m.q_lora_rank < 0:
+            raise ConfigError(f"model.q_lora_rank={m.q_lora_rank} must be >= 0 (0: full-rank queries)")
+    rope_dim = m.qk_rope_head_dim if m.attention == "mla" else m.head_dim
+    if rope_dim % 2:
+        raise ConfigError(f"the RoPE dimension ({rope_dim}) must be even")
+    if m.rope_scaling == "yarn" and (m.yarn.factor < 1 or m.yarn.original_max_position <= 0):
+        raise ConfigError("model.yarn.factor must be >= 1 and model.yarn.original_max_position positive")
+    if m.mtp_depth < 0 or m.mtp_loss_weight < 0:
+        raise ConfigError("model.mtp_depth and model.mtp_loss_weight must be >= 0")
+
+
 def validate(cfg, n_devices: int) -> dict[str, int]:
     """Checks everything a user can get wrong before compile; returns the resolved mesh shape."""
     m, e, t = cfg.model, cfg.moe, cfg.train
@@ -150,6 +193,9 @@ def validate(cfg, n_devices: int) -> dict[str, int]:
     for name in ("dtype", "param_dtype"):
         _check_choice(f"model.{name}", m[name], DTYPES)
     _check_choice("model.remat", m.remat, REMAT_POLICIES)
+    _check_choice("model.attention", m.attention, ATTENTION_KINDS)
+    _check_choice("model.rope_scaling", m.rope_scaling, ROPE_SCALINGS)
+    _validate_attention(m)
     _check_choice("moe.score_func", e.score_func, SCORE_FUNCS)
     _check_choice("moe.dispatch", e.dispatch, DISPATCH_MODES)
     _check_choice("moe.drop_policy", e.drop_policy, DROP_POLICIES)

@@ -1,0 +1,79 @@
+"""`moejax-plan --config configs/X.py [--config.a.b=v ...] [--seq_len N] [--json]`
+
+Reports, from the config alone (nothing is allocated, no device is touched): total and activated
+parameters of the main model and of its MTP modules, and model FLOPs per token in the Megatron-Core
+convention, with and without MTP. Exit 2 on a bad config.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from absl import flags
+from ml_collections import config_flags
+
+FLAGS = flags.FlagValues()
+config_flags.DEFINE_config_file("config", None, "ml_collections config file, e.g. configs/deepseek_v3_671b.py",
+                                flag_values=FLAGS, lock_config=True)
+flags.DEFINE_integer("seq_len", None, "sequence length for the FLOP count (default: train.seq_len)",
+                     flag_values=FLAGS)
+flags.DEFINE_bool("json", False, "print one JSON object instead of a table", flag_values=FLAGS)
+
+PROG = "moejax-plan"
+
+
+def _usage_error(message: str) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _table(report: dict) -> str:
+    b = 1e9
+    return "\n".join([
+        f"parameters (main model)   {report['params_total'] / b:10.2f} B total, {report['params_active'] / b:.2f} B active per token",
+        f"parameters (MTP modules)  {report['params_mtp'] / b:10.2f} B total, {report['params_mtp_active'] / b:.2f} B active per token",
+        f"model FLOPs per token     {report['flops_per_token'] / b:10.2f} GFLOP at sequence {report['seq_len']}"
+        f" ({report['flops_per_token_without_mtp'] / b:.2f} without MTP)",
+        f"convention                {report['convention']}",
+    ])
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv if argv is None else argv)
+    if any(a in ("-h", "--help", "--helpshort") for a in argv[1:]):
+        print(__doc__.strip())
+        print(FLAGS.get_help())
+        return 0
+    try:
+        FLAGS(argv)
+        cfg = FLAGS.config
+        if cfg is not None:
+            cfg.keys()
+    except Exception as e:
+        return _usage_error(str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
+    if cfg is None:
+        return _usage_error("--config is required, e.g. --config configs/deepseek_v3_671b.py")
+
+    from moejax.config import ConfigError, validate
+    from moejax.model.accounting import accounting_report
+
+    try:
+        validate(cfg, n_devices=_fixed(cfg.mesh))
+    except ConfigError as e:
+        return _usage_error(str(e))
+    report = {"model": accounting_report(cfg, FLAGS.seq_len)}
+    print(json.dumps(report, indent=2) if FLAGS.json else _table(report["model"]))
+    return 0
+
+
+def _fixed(mesh_cfg) -> int:
+    """A device count the config's mesh accepts (the -1 axis set to 1): the model is checked, not the mesh."""
+    n = 1
+    for a in mesh_cfg:
+        n *= max(1, int(mesh_cfg[a]))
+    return n
+
+
+if __name__ == "__main__":
+    sys.exit(main())
