@@ -48,7 +48,7 @@ def test_param_counts_small_moe():
     counts = param_counts(small_moe())
     attn = 4 * 64 * 64 + 2 * 64
     expert = 3 * 64 * 32
-    common = 2 * attn + 3 * 64 * 256 + (expert + 64 * 8) + 2 * 300 * 64 + 64
+    common = 2 * attn + 3 * 64 * 256 + (expert + 64 * 8 + 8) + 2 * 300 * 64 + 64  # router weight + bias
     assert counts == {"total": common + 8 * expert, "active": common + 2 * expert, "mtp": 0, "mtp_active": 0}
 
 
