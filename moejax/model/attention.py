@@ -1,4 +1,5 @@
-"""Causal multi-head attention with RoPE (MLA and GQA arrive with the model-families issue)."""
+"""Causal self-attention: grouped-query attention (MHA, Mixtral, Qwen3 with q/k norm) and DeepSeek's
+Multi-head Latent Attention. Both take an optional document mask for packed sequences."""
 
 from __future__ import annotations
 
@@ -6,26 +7,108 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moejax.model.layers import param
-from moejax.model.rope import apply_rope
+from moejax.model.layers import RMSNorm, dtype_of, param
+from moejax.model.rope import apply_rope, rope_spec, softmax_scale
 
 
-class Attention(nnx.Module):
-    def __init__(self, dim: int, n_heads: int, head_dim: int, *, rope_theta: float, rngs: nnx.Rngs,
-                 std: float, param_dtype=jnp.float32):
-        self.w_q_DxHxK = param(rngs, (dim, n_heads, head_dim), ("embed", "heads", "head_dim"), std=std, dtype=param_dtype)
-        self.w_k_DxHxK = param(rngs, (dim, n_heads, head_dim), ("embed", "heads", "head_dim"), std=std, dtype=param_dtype)
-        self.w_v_DxHxK = param(rngs, (dim, n_heads, head_dim), ("embed", "heads", "head_dim"), std=std, dtype=param_dtype)
-        self.w_o_HxKxD = param(rngs, (n_heads, head_dim, dim), ("heads", "head_dim", "embed"), std=std, dtype=param_dtype)
-        self.rope_theta = rope_theta
+def attention_core(q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, segment_ids_BxL, scale: float):
+    """softmax(q k^T * scale) v, causal, and within one document when segment ids are given.
 
-    def __call__(self, x_BxLxD, positions_BxL):
+    jax.nn.dot_product_attention wants v's head dim equal to k's; MLA's is smaller (128 vs 192), so v is
+    zero-padded and the padding sliced off (on GPU the cuDNN flash kernel then applies unchanged).
+    """
+    v_dim, qk_dim = v_BxLxGxV.shape[-1], q_BxLxHxK.shape[-1]
+    if v_dim != qk_dim:
+        v_BxLxGxV = jnp.pad(v_BxLxGxV, [(0, 0)] * 3 + [(0, qk_dim - v_dim)])
+    mask = None
+    if segment_ids_BxL is not None:
+        mask = (segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :])[:, None]  # [B, 1, Lq, Lk]
+    # XLA's reference attention; on GPU this lowers to cuDNN flash attention when dtype and mask allow.
+    out = jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, mask=mask, is_causal=True, scale=scale)
+    return out[..., :v_dim]
+
+
+class GQAttention(nnx.Module):
+    """Grouped-query attention: n_heads query heads share n_kv_heads key/value heads (MHA when equal)."""
+
+    def __init__(self, m, *, rngs: nnx.Rngs):
+        pdt, d, h, k = dtype_of(m.param_dtype), m.d_model, m.n_heads, m.head_dim
+        g = m.n_kv_heads or m.n_heads
+        std = m.init_std
+        self.w_q_DxHxK = param(rngs, (d, h, k), ("embed", "heads", "head_dim"), std=std, dtype=pdt)
+        self.w_k_DxGxK = param(rngs, (d, g, k), ("embed", "kv_heads", "head_dim"), std=std, dtype=pdt)
+        self.w_v_DxGxK = param(rngs, (d, g, k), ("embed", "kv_heads", "head_dim"), std=std, dtype=pdt)
+        self.w_o_HxKxD = param(rngs, (h, k, d), ("heads", "head_dim", "embed"), std=std, dtype=pdt)
+        # Qwen3: RMSNorm over each head's dims on q and k, before RoPE.
+        self.q_norm = RMSNorm(k, eps=m.norm_eps, param_dtype=pdt) if m.qk_norm else None
+        self.k_norm = RMSNorm(k, eps=m.norm_eps, param_dtype=pdt) if m.qk_norm else None
+        self.rope = rope_spec(m, k)
+        self.scale = softmax_scale(m, k)
+
+    def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL=None):
         dt = x_BxLxD.dtype
         q = jnp.einsum("bld,dhk->blhk", x_BxLxD, self.w_q_DxHxK[...].astype(dt))
-        k = jnp.einsum("bld,dhk->blhk", x_BxLxD, self.w_k_DxHxK[...].astype(dt))
-        v = jnp.einsum("bld,dhk->blhk", x_BxLxD, self.w_v_DxHxK[...].astype(dt))
-        q = apply_rope(q, positions_BxL, self.rope_theta)
-        k = apply_rope(k, positions_BxL, self.rope_theta)
-        # XLA's reference attention; on GPU this lowers to cuDNN flash attention when dtype allows.
-        out_BxLxHxK = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        k = jnp.einsum("bld,dgk->blgk", x_BxLxD, self.w_k_DxGxK[...].astype(dt))
+        v = jnp.einsum("bld,dgk->blgk", x_BxLxD, self.w_v_DxGxK[...].astype(dt))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, positions_BxL, self.rope)
+        k = apply_rope(k, positions_BxL, self.rope)
+        out_BxLxHxK = attention_core(q, k, v, segment_ids_BxL, self.scale)
         return jnp.einsum("blhk,hkd->bld", out_BxLxHxK, self.w_o_HxKxD[...].astype(dt))
+
+
+class MLAttention(nnx.Module):
+    """Multi-head Latent Attention (DeepSeek-V2/V3).
+
+    q = W_qb norm(W_qa x) (or W_q x without a q bottleneck), split into a no-RoPE part [N] and a RoPE part [R];
+    the keys and values come from one compressed latent c = norm(W_kva x) of width C: k_nope = W_kb c,
+    v = W_vb c per head; the RoPE key k_r = rope(W_kr x) is ONE head shared by all heads. Scores use
+    [q_nope, q_rope] . [k_nope, k_r] with DeepSeek's YaRN-corrected softmax scale.
+    """
+
+    def __init__(self, m, *, rngs: nnx.Rngs):
+        pdt, d, h, std = dtype_of(m.param_dtype), m.d_model, m.n_heads, m.init_std
+        n, r, v, c = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
+        self.q_lora = bool(m.q_lora_rank)
+        if self.q_lora:
+            q = m.q_lora_rank
+            self.w_qa_DxQ = param(rngs, (d, q), ("embed", "q_lora"), std=std, dtype=pdt)
+            self.q_norm = RMSNorm(q, eps=m.norm_eps, param_dtype=pdt)
+            self.w_qb_QxHxK = param(rngs, (q, h, n + r), ("q_lora", "heads", "head_dim"), std=std, dtype=pdt)
+        else:
+            self.w_q_DxHxK = param(rngs, (d, h, n + r), ("embed", "heads", "head_dim"), std=std, dtype=pdt)
+        self.w_kva_DxC = param(rngs, (d, c), ("embed", "kv_lora"), std=std, dtype=pdt)
+        self.w_kr_DxR = param(rngs, (d, r), ("embed", "head_dim"), std=std, dtype=pdt)
+        self.kv_norm = RMSNorm(c, eps=m.norm_eps, param_dtype=pdt)
+        self.w_kb_CxHxN = param(rngs, (c, h, n), ("kv_lora", "heads", "head_dim"), std=std, dtype=pdt)
+        self.w_vb_CxHxV = param(rngs, (c, h, v), ("kv_lora", "heads", "head_dim"), std=std, dtype=pdt)
+        self.w_o_HxVxD = param(rngs, (h, v, d), ("heads", "head_dim", "embed"), std=std, dtype=pdt)
+        self.nope_dim = n
+        self.rope = rope_spec(m, r)
+        self.scale = softmax_scale(m, n + r)
+
+    def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL=None):
+        dt = x_BxLxD.dtype
+        if self.q_lora:
+            q_BxLxQ = self.q_norm(jnp.einsum("bld,dq->blq", x_BxLxD, self.w_qa_DxQ[...].astype(dt)))
+            q = jnp.einsum("blq,qhk->blhk", q_BxLxQ, self.w_qb_QxHxK[...].astype(dt))
+        else:
+            q = jnp.einsum("bld,dhk->blhk", x_BxLxD, self.w_q_DxHxK[...].astype(dt))
+        q_nope, q_rope = q[..., : self.nope_dim], q[..., self.nope_dim :]
+        q = jnp.concatenate([q_nope, apply_rope(q_rope, positions_BxL, self.rope)], axis=-1)
+
+        c_BxLxC = self.kv_norm(jnp.einsum("bld,dc->blc", x_BxLxD, self.w_kva_DxC[...].astype(dt)))
+        k_nope = jnp.einsum("blc,chn->blhn", c_BxLxC, self.w_kb_CxHxN[...].astype(dt))
+        v = jnp.einsum("blc,chv->blhv", c_BxLxC, self.w_vb_CxHxV[...].astype(dt))
+        k_rope_BxLx1xR = jnp.einsum("bld,dr->blr", x_BxLxD, self.w_kr_DxR[...].astype(dt))[:, :, None, :]
+        k_rope_BxLx1xR = apply_rope(k_rope_BxLx1xR, positions_BxL, self.rope)
+        k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope_BxLx1xR, (*k_nope.shape[:3], k_rope_BxLx1xR.shape[-1]))],
+                            axis=-1)
+        out_BxLxHxV = attention_core(q, k, v, segment_ids_BxL, self.scale)
+        return jnp.einsum("blhv,hvd->bld", out_BxLxHxV, self.w_o_HxVxD[...].astype(dt))
+
+
+def make_attention(m, *, rngs: nnx.Rngs) -> nnx.Module:
+    """The attention kind the config names (config data, not model names, picks the family)."""
+    return MLAttention(m, rngs=rngs) if m.attention == "mla" else GQAttention(m, rngs=rngs)

@@ -1,14 +1,18 @@
-"""Decoder stack: embedding, first-k dense blocks, MoE blocks (each a scan over layers with remat), LM head."""
+"""Decoder stack: embedding, first-k dense blocks, MoE blocks (each a scan over layers with remat), final
+norm and LM head, then the Multi-Token Prediction modules (model/mtp.py) on the last hidden state."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moejax.model.attention import Attention
+from moejax.model.attention import make_attention
 from moejax.model.layers import LAYERS_AXIS_METADATA, MLP, Embed, RMSNorm, dtype_of, param
 from moejax.model.moe import MoE, MoEStats
+from moejax.model.rope import segment_positions
 from moejax.parallel.mesh import constrain
 
 ACT_BxLxD = ("batch", "seq", "act_embed")
@@ -19,6 +23,14 @@ _REMAT_POLICIES = {
 }
 
 
+class ModelOutput(NamedTuple):
+    logits_BxLxV: jax.Array
+    # MTP depth k predicts token i + 1 + k at position i; [depth, B, L, V] (the last k positions are padding).
+    mtp_logits_DxBxLxV: jax.Array | None
+    # MoE statistics stacked over the MoE layers, then one row per MTP module: [n_moe + depth, ...].
+    stats: MoEStats | None
+
+
 class Block(nnx.Module):
     """Pre-norm block: x + attn(norm(x)), then x + ffn(norm(x)); ffn is a dense MLP or an MoE."""
 
@@ -26,8 +38,7 @@ class Block(nnx.Module):
         m = cfg.model
         pdt = dtype_of(m.param_dtype)
         self.attn_norm = RMSNorm(m.d_model, eps=m.norm_eps, param_dtype=pdt)
-        self.attn = Attention(m.d_model, m.n_heads, m.head_dim, rope_theta=m.rope_theta, rngs=rngs,
-                              std=m.init_std, param_dtype=pdt)
+        self.attn = make_attention(m, rngs=rngs)
         self.ffn_norm = RMSNorm(m.d_model, eps=m.norm_eps, param_dtype=pdt)
         if moe:
             self.ffn = MoE(m.d_model, cfg.moe, rngs=rngs, std=m.init_std, param_dtype=pdt)
@@ -35,8 +46,8 @@ class Block(nnx.Module):
             self.ffn = MLP(m.d_model, m.d_ff, rngs=rngs, std=m.init_std, param_dtype=pdt)
         self.is_moe = moe
 
-    def __call__(self, x_BxLxD, positions_BxL):
-        x_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD), positions_BxL)
+    def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL=None):
+        x_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD), positions_BxL, segment_ids_BxL)
         x_BxLxD = constrain(x_BxLxD, ACT_BxLxD)
         if self.is_moe:
             y, stats = self.ffn(self.ffn_norm(x_BxLxD))
@@ -56,19 +67,55 @@ def _stacked_blocks(cfg, n: int, *, moe: bool, rngs: nnx.Rngs):
     return create(rngs)
 
 
-def _run_stack(blocks, x_BxLxD, positions_BxL, remat: str):
-    def body(block, x, positions):
-        return block(x, positions)
+def _remat(fn, remat: str):
+    return fn if remat == "none" else nnx.remat(fn, policy=_REMAT_POLICIES[remat])
 
-    if remat != "none":
-        body = nnx.remat(body, policy=_REMAT_POLICIES[remat])
 
-    @nnx.scan(in_axes=(nnx.Carry, 0, None), out_axes=(nnx.Carry, 0), transform_metadata=LAYERS_AXIS_METADATA)
-    def step(x, block, positions):
-        x, stats = body(block, x, positions)
+def _run_stack(blocks, x_BxLxD, positions_BxL, segment_ids_BxL, remat: str):
+    body = _remat(lambda block, x, positions, segments: block(x, positions, segments), remat)
+
+    @nnx.scan(in_axes=(nnx.Carry, 0, None, None), out_axes=(nnx.Carry, 0), transform_metadata=LAYERS_AXIS_METADATA)
+    def step(x, block, positions, segments):
+        x, stats = body(block, x, positions, segments)
         return x, stats
 
-    return step(x_BxLxD, blocks, positions_BxL)
+    return step(x_BxLxD, blocks, positions_BxL, segment_ids_BxL)
+
+
+class MTPModule(nnx.Module):
+    """One Multi-Token Prediction module (DeepSeek-V3 section 2.2): h' = W [norm(emb(t_{i+k})); norm(h_i)],
+    one transformer block, and its own norm before the shared LM head. The concat order (embedding first)
+    is the released checkpoints' (`eh_proj`), which the paper's formula writes the other way round."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        m = cfg.model
+        pdt = dtype_of(m.param_dtype)
+        self.emb_norm = RMSNorm(m.d_model, eps=m.norm_eps, param_dtype=pdt)
+        self.hidden_norm = RMSNorm(m.d_model, eps=m.norm_eps, param_dtype=pdt)
+        self.w_eh_2DxD = param(rngs, (2 * m.d_model, m.d_model), ("mtp_concat", "embed"), std=m.init_std, dtype=pdt)
+        self.block = Block(cfg, moe=m.n_layers > m.first_k_dense, rngs=rngs)
+        self.out_norm = RMSNorm(m.d_model, eps=m.norm_eps, param_dtype=pdt)
+
+    def __call__(self, h_BxLxD, next_emb_BxLxD, positions_BxL, segment_ids_BxL=None):
+        dt = h_BxLxD.dtype
+        cat_BxLx2D = jnp.concatenate([self.emb_norm(next_emb_BxLxD), self.hidden_norm(h_BxLxD)], axis=-1)
+        x_BxLxD = jnp.einsum("blc,cd->bld", cat_BxLx2D, self.w_eh_2DxD[...].astype(dt))
+        x_BxLxD, stats = self.block(constrain(x_BxLxD, ACT_BxLxD), positions_BxL, segment_ids_BxL)
+        return x_BxLxD, self.out_norm(x_BxLxD), stats
+
+
+def shift_left(tokens_BxL, k: int, fill: int = 0):
+    """tokens[:, i + k] at position i; the last k positions get `fill` (their loss is masked)."""
+    if k == 0:
+        return tokens_BxL
+    return jnp.concatenate([tokens_BxL[:, k:], jnp.full_like(tokens_BxL[:, :k], fill)], axis=1)
+
+
+def _stack_stats(main: MoEStats | None, extra: list[MoEStats]) -> MoEStats | None:
+    rows = ([main] if main is not None else []) + [jax.tree.map(lambda x: x[None], s) for s in extra]
+    if not rows:
+        return None
+    return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *rows)
 
 
 class Transformer(nnx.Module):
@@ -84,25 +131,49 @@ class Transformer(nnx.Module):
         self.moe_layers = _stacked_blocks(cfg, self.n_moe, moe=True, rngs=rngs) if self.n_moe else None
         self.final_norm = RMSNorm(m.d_model, eps=m.norm_eps, param_dtype=pdt)
         self.head_DxV = param(rngs, (m.d_model, m.vocab_size), ("embed", "vocab"), std=m.init_std, dtype=pdt)
+        self.mtp = nnx.List([MTPModule(cfg, rngs=rngs) for _ in range(m.mtp_depth)])
 
     def update_router_bias(self, tokens_per_expert_LxE, rate: float):
-        """Aux-loss-free balancing: bias += rate * sign(mean_load - load), per MoE layer."""
+        """Aux-loss-free balancing: bias += rate * sign(mean_load - load), per MoE layer (MTP blocks included;
+        rows follow ModelOutput.stats: the stacked MoE layers, then one per MTP module)."""
         if self.moe_layers is None or rate == 0:
             return
-        bias = self.moe_layers.ffn.router.bias_E
         load = tokens_per_expert_LxE.astype(jnp.float32)
-        bias[...] = bias[...] + rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+        step_LxE = rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+        bias = self.moe_layers.ffn.router.bias_E
+        bias[...] = bias[...] + step_LxE[: self.n_moe]
+        for k, module in enumerate(self.mtp):
+            mtp_bias = module.block.ffn.router.bias_E
+            mtp_bias[...] = mtp_bias[...] + step_LxE[self.n_moe + k]
 
-    def __call__(self, tokens_BxL) -> tuple[jax.Array, MoEStats | None]:
-        """Logits [B, L, V] in the compute dtype, and MoE statistics stacked over MoE layers."""
+    def logits(self, h_BxLxD):
+        return constrain(jnp.einsum("bld,dv->blv", h_BxLxD, self.head_DxV[...].astype(self.dtype)),
+                         ("batch", "seq", "vocab"))
+
+    def __call__(self, tokens_BxL, segment_ids_BxL=None) -> ModelOutput:
+        """Logits in the compute dtype. With segment ids (packed documents), positions restart in each
+        document and attention never crosses a document boundary."""
         batch, seq = tokens_BxL.shape
-        positions_BxL = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
+        if segment_ids_BxL is None:
+            positions_BxL = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
+        else:
+            positions_BxL = segment_positions(segment_ids_BxL)
         x_BxLxD = constrain(self.embed(tokens_BxL, self.dtype), ACT_BxLxD)
         if self.dense_layers is not None:
-            x_BxLxD, _ = _run_stack(self.dense_layers, x_BxLxD, positions_BxL, self.remat)
+            x_BxLxD, _ = _run_stack(self.dense_layers, x_BxLxD, positions_BxL, segment_ids_BxL, self.remat)
         stats = None
         if self.moe_layers is not None:
-            x_BxLxD, stats = _run_stack(self.moe_layers, x_BxLxD, positions_BxL, self.remat)
-        x_BxLxD = self.final_norm(x_BxLxD)
-        logits_BxLxV = jnp.einsum("bld,dv->blv", x_BxLxD, self.head_DxV[...].astype(self.dtype))
-        return constrain(logits_BxLxV, ("batch", "seq", "vocab")), stats
+            x_BxLxD, stats = _run_stack(self.moe_layers, x_BxLxD, positions_BxL, segment_ids_BxL, self.remat)
+        logits_BxLxV = self.logits(self.final_norm(x_BxLxD))
+
+        mtp_logits, mtp_stats = [], []
+        h_BxLxD = x_BxLxD
+        for k, module in enumerate(self.mtp, start=1):
+            next_emb = self.embed(shift_left(tokens_BxL, k), self.dtype)
+            run = _remat(lambda mod, h, e, p, s: mod(h, e, p, s), self.remat)
+            h_BxLxD, normed_BxLxD, s = run(module, h_BxLxD, next_emb, positions_BxL, segment_ids_BxL)
+            mtp_logits.append(self.logits(normed_BxLxD))
+            if s is not None:
+                mtp_stats.append(s)
+        return ModelOutput(logits_BxLxV, jnp.stack(mtp_logits) if mtp_logits else None,
+                           _stack_stats(stats, mtp_stats))

@@ -28,7 +28,11 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "embed": "fsdp",
     "mlp": "tensor",
     "heads": "tensor",
+    "kv_heads": "tensor",
     "head_dim": None,
+    "q_lora": None,  # MLA's low-rank bottlenecks are small (1536, 512): replicated over tensor
+    "kv_lora": None,
+    "mtp_concat": None,  # the MTP projection's [embedding; hidden] input dim
     "expert": EXPERT_AXIS,
     "expert_mlp": FFN_AXIS,
     "router_expert": None,  # the router's expert dim stays whole: every token scores every expert
