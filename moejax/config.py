@@ -94,6 +94,9 @@ def default_config() -> ml_collections.ConfigDict:
     ms.fsdp = 1
     ms.expert = 1
     ms.tensor = 1
+    ms.topology = "auto"  # NVLink layout (moejax/parallel/topology.py): auto = from the device kind
+    ms.domain_size = 0  # devices per NVLink domain; 0: device.slice_index or the topology's (72 on NVL72)
+    ms.allow_cross_domain_experts = False  # True: let an expert group span two domains (all-to-all over NICs)
 
     c.train = t = ml_collections.ConfigDict()
     t.steps = 1000
@@ -200,6 +203,11 @@ def validate(cfg, n_devices: int) -> dict[str, int]:
     _check_choice("moe.dispatch", e.dispatch, DISPATCH_MODES)
     _check_choice("moe.drop_policy", e.drop_policy, DROP_POLICIES)
     _check_choice("moe.backend", e.backend, GMM_BACKENDS)
+    from moejax.parallel.topology import TOPOLOGIES
+
+    _check_choice("mesh.topology", cfg.mesh.topology, ("auto", *TOPOLOGIES))
+    if cfg.mesh.domain_size < 0:
+        raise ConfigError(f"mesh.domain_size={cfg.mesh.domain_size} must be >= 0 (0: from the devices)")
     positive = {
         "model.vocab_size": m.vocab_size, "model.d_model": m.d_model, "model.n_layers": m.n_layers,
         "model.n_heads": m.n_heads, "model.head_dim": m.head_dim, "model.d_ff": m.d_ff,

@@ -12,6 +12,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from moejax.config import MESH_AXES
+from moejax.parallel.device_grid import hybrid_device_grid
+from moejax.parallel.topology import detect_topology, device_domains, get_topology
 
 # Tokens are split over every axis that is not model-parallel: experts see all of them through all-to-all.
 BATCH_AXES = ("data", "fsdp", "expert")
@@ -41,12 +43,31 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
 }
 
 
-def make_mesh(sizes: dict[str, int], devices=None) -> Mesh:
-    """A mesh with axes MESH_AXES in that order, Auto axis types (shard_map and GSPMD both work on it)."""
-    devices = jax.devices() if devices is None else devices
-    shape = tuple(sizes[a] for a in MESH_AXES)
-    device_grid = np.asarray(devices).reshape(shape)
+def make_mesh(sizes: dict[str, int], devices=None, *, topology: str = "auto", domain_size: int = 0,
+              allow_cross_domain: bool = False) -> Mesh:
+    """A mesh with axes MESH_AXES in that order, Auto axis types (shard_map and GSPMD both work on it).
+
+    Devices are placed by NVLink domain (`device.slice_index`, or the topology's domain size over
+    (process_index, id) order, or `domain_size` when given): `expert` x `tensor` groups inside one domain,
+    `data`/`fsdp` across (parallel/device_grid.py). An expert group that would span two domains raises
+    MeshLayoutError unless allow_cross_domain. One process's devices on CPU form one domain, so a plain
+    call lays the devices out in order.
+    """
+    devices = list(jax.devices() if devices is None else np.asarray(devices).reshape(-1))
+    topo = (detect_topology(devices[0].device_kind, devices[0].platform) if topology == "auto"
+            else get_topology(topology))
+    domains = device_domains(devices, topo, domain_size)
+    where = f", {topo.name}" if topo.name != "cpu" else ""
+    device_grid = hybrid_device_grid(sizes, devices, domains, allow_cross_domain=allow_cross_domain, where=where)
     return Mesh(device_grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def mesh_from_config(cfg, sizes: dict[str, int], devices=None) -> Mesh:
+    """make_mesh with the config's topology settings (mesh.topology, mesh.domain_size,
+    mesh.allow_cross_domain_experts)."""
+    m = cfg.mesh
+    return make_mesh(sizes, devices, topology=m.get("topology", "auto"), domain_size=int(m.get("domain_size", 0)),
+                     allow_cross_domain=bool(m.get("allow_cross_domain_experts", False)))
 
 
 def logical_to_spec(names) -> P:

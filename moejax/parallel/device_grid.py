@@ -1,0 +1,87 @@
+"""Which device sits at each mesh coordinate, given each device's NVLink domain.
+
+Pure Python on objects with `id` and `process_index` (real jax devices or test stand-ins), so the layout
+can be checked for 144 devices without having them. The rule: `expert` and `tensor` (the axes whose
+collectives run every layer: all-to-all dispatch, tensor all-reduces) are laid out inside one domain;
+`data` and `fsdp` take the remaining positions inside a domain (fsdp first: its gathers run every layer,
+data's reduction once a step) and then span domains. The result depends only on the set of devices and
+their domains, never on the order a process lists them in, so every process of a job builds the same mesh.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
+
+
+class MeshLayoutError(ValueError):
+    """A mesh that cannot respect the NVLink domains; the message says why and what to change."""
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _by_domain(devices, domains) -> list[list]:
+    groups: dict[int, list] = {}
+    for d, dom in zip(devices, domains):
+        groups.setdefault(dom, []).append(d)
+    return [sorted(groups[k], key=lambda d: (d.process_index, d.id)) for k in sorted(groups)]
+
+
+def hybrid_device_grid(sizes: dict[str, int], devices, domains, *, allow_cross_domain: bool = False,
+                       where: str = "") -> np.ndarray:
+    """Object array of shape [data, fsdp, expert, tensor] of the devices; expert x tensor groups inside one
+    domain. `where` names the topology in error messages."""
+    n = len(devices)
+    if math.prod(sizes[a] for a in MESH_AXES) != n:
+        raise MeshLayoutError(f"mesh axes {sizes} multiply to {math.prod(sizes.values())}, not {n} devices")
+    by_domain = _by_domain(devices, domains)
+    flat = [d for group in by_domain for d in group]
+    shape = tuple(sizes[a] for a in MESH_AXES)
+    inner = sizes["expert"] * sizes["tensor"]
+    counts = sorted({len(g) for g in by_domain})
+    per_domain = counts[0]
+    fits = len(counts) == 1 and per_domain % inner == 0
+    if not fits:
+        if allow_cross_domain:
+            return _object_array(flat).reshape(shape)  # domain order still keeps most groups together
+        if len(counts) > 1:
+            raise MeshLayoutError(
+                f"NVLink domains hold different numbers of devices ({', '.join(map(str, counts))}){where}: "
+                "launch the same number of devices per domain, set mesh.domain_size, or set "
+                "mesh.allow_cross_domain_experts=True")
+        raise MeshLayoutError(
+            f"mesh.expert={sizes['expert']} x mesh.tensor={sizes['tensor']} = {inner} devices per expert group "
+            f"does not divide the {per_domain} devices of an NVLink domain ({len(by_domain)} domains{where}): "
+            "some group would span two domains and its all-to-all would cross the NICs; use expert x tensor "
+            f"dividing {per_domain} ({', '.join(map(str, _divisors(per_domain)))}), launch a device count per "
+            "domain that it divides (mesh.domain_size, e.g. 64 of an NVL72 rack's 72), or set "
+            "mesh.allow_cross_domain_experts=True")
+    slots = per_domain // inner  # data x fsdp positions inside one domain
+    fsdp_in = math.gcd(sizes["fsdp"], slots)
+    data_in = slots // fsdp_in
+    if sizes["data"] % data_in:
+        raise MeshLayoutError(
+            f"mesh.data={sizes['data']} x mesh.fsdp={sizes['fsdp']} cannot fill {slots} positions per domain "
+            f"and {len(by_domain)} domains{where}; make mesh.fsdp or mesh.data a multiple of {slots}")
+    data_out, fsdp_out = sizes["data"] // data_in, sizes["fsdp"] // fsdp_in
+    grid = _object_array(flat).reshape(data_out, fsdp_out, data_in, fsdp_in, sizes["expert"], sizes["tensor"])
+    return grid.transpose(0, 2, 1, 3, 4, 5).reshape(shape)
+
+
+def _object_array(items) -> np.ndarray:
+    out = np.empty(len(items), dtype=object)
+    out[:] = items
+    return out
+
+
+def groups_along(grid: np.ndarray, axes: tuple[str, ...]) -> list[list]:
+    """The device groups that communicate over `axes` (all other coordinates fixed)."""
+    idx = [MESH_AXES.index(a) for a in axes]
+    rest = [i for i in range(len(MESH_AXES)) if i not in idx]
+    size = math.prod(grid.shape[i] for i in idx)
+    return [list(g) for g in grid.transpose(rest + idx).reshape(-1, size)]

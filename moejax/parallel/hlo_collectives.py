@@ -1,0 +1,152 @@
+"""Every collective of a compiled program, with its device groups and how often one step runs it.
+
+`hlo_stats.collective_bytes` sums the collectives as they appear in `compiled.as_text()`, so a scan body
+counts once. A training step's layers run inside while loops; this module walks the call graph from ENTRY,
+multiplies each computation by the known trip counts of the loops around it, and parses the replica groups
+(explicit lists, iota `[n,k]<=[dims]T(perm)` and the `mesh[...] {axes}` form) into device-id groups so that
+callers can say which link a collective crosses.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+
+from moejax.parallel.hlo_stats import _OP, _bytes
+
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
+_CALLEE = re.compile(r"\b(?P<how>body|condition|calls|to_apply)=%(?P<name>[\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{(?P<names>[^}]*)\}")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(?P<n>\d+)"\}')
+_PARTITIONS = re.compile(r"num_partitions=(?P<n>\d+)")
+_OP_NAME = re.compile(r'op_name="(?P<name>[^"]*)"')
+_LIST_GROUPS = re.compile(r"replica_groups=\{(?P<body>(?:\{[0-9,]*\},?)*)\}")
+_IOTA_GROUPS = re.compile(r"replica_groups=\[(?P<shape>[0-9,]+)\]<=\[(?P<dims>[0-9,]+)\](?:T\((?P<perm>[0-9,]+)\))?")
+_MESH_GROUPS = re.compile(
+    r"replica_groups=mesh\[(?P<axes>[^\]]*)\]"
+    r"(?:,\s*device_ids=\(\[(?P<idims>[0-9,]+)\](?:T\((?P<iperm>[0-9,]+)\))?\))?"
+    r"\s*\{(?P<sel>[^}]*)\}")
+_PAIRS = re.compile(r"source_target_pairs=\{(?P<body>[^}]*)\}")
+
+
+@dataclass(frozen=True)
+class Collective:
+    kind: str  # all-to-all, all-gather, reduce-scatter, all-reduce, collective-permute, ragged-all-to-all
+    bytes: int  # per device and execution, hlo_stats' convention (reduce-scatter: its input)
+    groups: tuple[tuple[int, ...], ...]  # device ids that communicate together
+    count: int  # executions per program run: the product of the enclosing loops' trip counts
+    op_name: str  # jax's name for the op that produced it (metadata), for reports
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def _iota(dims: list[int], perm: list[int] | None) -> np.ndarray:
+    ids = np.arange(int(np.prod(dims))).reshape(dims)
+    return ids.transpose(perm) if perm else ids
+
+
+def replica_groups(line: str, n_devices: int) -> tuple[tuple[int, ...], ...]:
+    """Device-id groups of one collective line; `{}` or no groups means all devices together."""
+    if m := _MESH_GROUPS.search(line):
+        axes = [(a.split("=")[0].strip("'\" "), int(a.split("=")[1])) for a in m["axes"].split(",") if a]
+        sizes = [s for _, s in axes]
+        ids = (_iota(_ints(m["idims"]), _ints(m["iperm"]) if m["iperm"] else None).reshape(-1)
+               if m["idims"] else np.arange(int(np.prod(sizes))))
+        grid = ids.reshape(sizes)
+        chosen = {s.strip("'\" ") for s in m["sel"].split(",") if s.strip()}
+        inside = [i for i, (name, _) in enumerate(axes) if name in chosen]
+        outside = [i for i in range(len(axes)) if i not in inside]
+        group_size = int(np.prod([sizes[i] for i in inside])) if inside else 1
+        return tuple(tuple(int(d) for d in g) for g in grid.transpose(outside + inside).reshape(-1, group_size))
+    if m := _IOTA_GROUPS.search(line):
+        shape = _ints(m["shape"])
+        ids = _iota(_ints(m["dims"]), _ints(m["perm"]) if m["perm"] else None).reshape(shape)
+        return tuple(tuple(int(d) for d in g) for g in ids)
+    if m := _LIST_GROUPS.search(line):
+        groups = tuple(tuple(_ints(g)) for g in re.findall(r"\{([0-9,]*)\}", m["body"]))
+        if groups and groups[0]:
+            return groups
+    if m := _PAIRS.search(line):
+        return tuple(tuple(_ints(p)) for p in re.findall(r"\{([0-9,]*)\}", "{" + m["body"] + "}"))
+    return (tuple(range(n_devices)),)
+
+
+def _call_graph(lines):
+    """(computation of each line, {caller: [(callee, times)]}, entry name)."""
+    owner, edges, entry, current = [], defaultdict(list), None, None
+    for line in lines:
+        if m := _HEADER.match(line):
+            current = m["name"]
+            if line.startswith("ENTRY"):
+                entry = current
+        elif line.startswith("}"):
+            current = None
+        owner.append(current)
+        if current is None:
+            continue
+        trip = _TRIP.search(line)
+        for c in _CALLEE.finditer(line):
+            times = 1
+            if c["how"] in ("body", "condition"):
+                if trip is None:
+                    raise ValueError(f"a while loop without a known trip count: {line.strip()[:160]}")
+                times = int(trip["n"]) + (c["how"] == "condition")
+            edges[current].append((c["name"], times))
+        if b := _BRANCHES.search(line):
+            edges[current] += [(n.strip().lstrip("%"), 1) for n in b["names"].split(",") if n.strip()]
+    return owner, edges, entry
+
+
+def _multiplicities(edges, entry) -> dict[str, int]:
+    """How many times one run of ENTRY runs each computation (the call graph is a DAG)."""
+    order, seen = [], set()
+
+    def visit(name):  # post-order, so a callee comes after all of its callers once reversed
+        if name in seen:
+            return
+        seen.add(name)
+        for callee, _ in edges.get(name, ()):
+            visit(callee)
+        order.append(name)
+
+    visit(entry)
+    times = defaultdict(int, {entry: 1})
+    for name in reversed(order):
+        for callee, k in edges.get(name, ()):
+            times[callee] += times[name] * k
+    return times
+
+
+def collectives(hlo_text: str) -> list[Collective]:
+    """Every collective of the program with its groups and per-run execution count."""
+    lines = hlo_text.splitlines()
+    n_devices = int(m["n"]) if (m := _PARTITIONS.search(hlo_text)) else 1
+    owner, edges, entry = _call_graph(lines)
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+    times = _multiplicities(edges, entry)
+    out = []
+    for line, comp in zip(lines, owner):
+        m = _OP.search(line)
+        if not m or "-done(" in line or comp is None or times.get(comp, 0) == 0:
+            continue
+        groups = replica_groups(line, n_devices)
+        size = _bytes(m["result"])
+        if m["kind"] == "reduce-scatter":
+            size *= len(groups[0])
+        name = n["name"] if (n := _OP_NAME.search(line)) else ""
+        out.append(Collective(m["kind"], size, groups, times[comp], name))
+    return out
+
+
+def bytes_per_step(colls: list[Collective]) -> dict[str, int]:
+    """{kind: bytes per device} over one run of the program, loops unrolled."""
+    out: dict[str, int] = defaultdict(int)
+    for c in colls:
+        out[c.kind] += c.bytes * c.count
+    return dict(out)
