@@ -118,13 +118,23 @@ def default_config() -> ml_collections.ConfigDict:
     o.clip_norm = 1.0
 
     c.checkpoint = ck = ml_collections.ConfigDict()
-    ck.every_steps = 0  # 0: only at the end of the run
-    ck.keep = 2
+    ck.every_steps = 0  # 0: only at the end of the run (and on SIGTERM/SIGINT)
+    ck.every_minutes = 0.0  # also save when this much wall time passed since the last save; 0: off
+    ck.keep = 2  # the latest K checkpoints are kept...
+    ck.keep_every_steps = 0  # ...plus, permanently, every one whose step is a multiple of this; 0: none
 
     c.data = d = ml_collections.ConfigDict()
-    d.corpus = "stdlib"  # the Python standard library's own sources, found at run time
-    d.max_bytes = 16_000_000
-    d.eval_every_nth_file = 20
+    # 'stdlib': the Python standard library's own sources, found at run time; or 'DIR[:WEIGHT],...':
+    # token directories written by `moejax-data tokenize`, mixed in proportion to their weights.
+    d.corpus = "stdlib"
+    d.max_bytes = 16_000_000  # stdlib only
+    d.eval_every_nth_file = 20  # stdlib only
+    d.verify_checksums = True  # CRC32 of every token file at start (one read of the data)
+
+    c.guards = g = ml_collections.ConfigDict()
+    g.max_bad_steps = 5  # stop after this many consecutive steps with a non-finite loss or gradient
+    g.step_timeout_s = 1800.0  # watchdog: no step finished for this long -> dump stacks, exit 5; 0: off
+    g.inject_nan_steps = ""  # testing the guards: comma-separated steps whose loss is made NaN
 
     c.profile = pr = ml_collections.ConfigDict()
     pr.start_step = -1  # >= 0: trace steps [start_step, start_step + num_steps) into WORKDIR/profile
@@ -243,12 +253,36 @@ def validate(cfg, n_devices: int) -> dict[str, int]:
         )
     if t.seq_len > m.max_seq_len:
         raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
-    if m.vocab_size < BYTE_VOCAB:
+    if cfg.data.corpus == "stdlib" and m.vocab_size < BYTE_VOCAB:
         raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than the byte tokenizer's {BYTE_VOCAB} ids")
-    if cfg.data.corpus != "stdlib":
-        raise ConfigError(f"data.corpus={cfg.data.corpus!r}: only the embedded 'stdlib' corpus exists so far")
+    _validate_data_and_run_guards(cfg)
     if cfg.profile.start_step >= 0 and cfg.profile.num_steps <= 0:
         raise ConfigError("profile.num_steps must be positive when profile.start_step is set")
     if cfg.hardware.peak_tflops < 0:
         raise ConfigError("hardware.peak_tflops must be >= 0 (0 means look up or measure)")
     return sizes
+
+
+def _validate_data_and_run_guards(cfg):
+    """data.corpus parses and its directories exist; checkpoint and guard settings make sense. (The token
+    files themselves are opened and checked against the vocabulary by moejax.data.sources.open_sources.)"""
+    from moejax.data.shards import DataError
+    from moejax.data.sources import check_corpus_paths
+
+    try:
+        check_corpus_paths(cfg.data)
+    except DataError as e:
+        raise ConfigError(str(e)) from None
+    ck, g = cfg.checkpoint, cfg.guards
+    for name, v in (("checkpoint.every_steps", ck.every_steps), ("checkpoint.every_minutes", ck.every_minutes),
+                    ("checkpoint.keep_every_steps", ck.keep_every_steps), ("guards.step_timeout_s", g.step_timeout_s)):
+        if v < 0:
+            raise ConfigError(f"{name}={v} must be >= 0 (0 turns it off)")
+    if ck.keep < 1:
+        raise ConfigError(f"checkpoint.keep={ck.keep} must be at least 1")
+    if g.max_bad_steps < 1:
+        raise ConfigError(f"guards.max_bad_steps={g.max_bad_steps} must be at least 1")
+    try:
+        [int(x) for x in str(g.inject_nan_steps).split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"guards.inject_nan_steps={g.inject_nan_steps!r} is not a comma-separated list of steps") from None

@@ -1,8 +1,10 @@
 """`moejax-train --config configs/tiny.py [--config.a.b=v ...] --workdir DIR` (also `python -m moejax.train`).
 
-Exit codes: 0 done; 2 bad configuration or input, including processes of one job that disagree (one line
-on stderr, nothing in DIR written); 3 the loss went non-finite; 4 could not join the multi-process job;
-anything else is a crash.
+Exit codes: 0 done; 2 bad configuration or input, including processes of one job that disagree, bad data
+and a WORKDIR holding an incompatible run or a broken checkpoint (one line on stderr, nothing in DIR
+overwritten); 3 too many consecutive non-finite steps; 4 could not join the multi-process job; 5 the
+watchdog saw no step finish within guards.step_timeout_s; 130/143 stopped by SIGINT/SIGTERM after saving a
+checkpoint; anything else is a crash.
 
 Multi-process jobs: pass --coordinator HOST:PORT --num_processes N --process_id I, or set
 JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID, or run under SLURM/Open MPI (detected).
@@ -82,7 +84,16 @@ def main(argv=None) -> int:
     except distributed.DistributedError as e:
         return _usage_error(str(e))
 
-    from moejax.train.loop import NonFiniteLoss, train, write_config
+    from moejax.data.shards import DataError
+    from moejax.data.sources import open_sources
+    from moejax.train.checkpoint import CheckpointError, check_resumable
+    from moejax.train.loop import NonFiniteLoss, Stopped, train, write_config
+
+    try:  # bad data or a WORKDIR holding another run: exit 2 before anything is compiled or written
+        sources = open_sources(cfg.data, vocab_size=cfg.model.vocab_size)
+        check_resumable(workdir, cfg.to_json_best_effort(sort_keys=True))
+    except (DataError, CheckpointError) as e:
+        return _usage_error(str(e))
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     for noisy in ("absl", "jax", "orbax", "grain"):
@@ -91,10 +102,15 @@ def main(argv=None) -> int:
         workdir.mkdir(parents=True, exist_ok=True)
         write_config(cfg, workdir)
     try:
-        train(cfg, workdir, mesh_sizes)
+        train(cfg, workdir, mesh_sizes, sources)
+    except (DataError, CheckpointError) as e:  # found only once reading or restoring: still bad input
+        return _usage_error(str(e))
     except NonFiniteLoss as e:
         print(f"{PROG}: stopped: {e}", file=sys.stderr)
         return 3
+    except Stopped as e:  # preempted: the checkpoint is saved; the shell's usual code for the signal
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return 128 + e.signum
     return 0
 
 

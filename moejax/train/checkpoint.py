@@ -1,38 +1,146 @@
-"""orbax checkpoints of the TrainState under WORKDIR/checkpoints: async saves, keep the latest K, resume.
+"""orbax checkpoints under WORKDIR/checkpoints: what a run needs to continue exactly, saved asynchronously.
 
-Data needs no iterator state: the pipeline is random access, so batch i is a function of (seed, i) and the
-step number alone says where to resume reading.
+A checkpoint at step s has three items:
+- `state`: the TrainState (parameters, Adam moments and count, router bias, step), sharded; restored onto
+  whatever mesh the resuming run has (orbax reshards on restore);
+- `meta`: the step, the seed, the data iterator's state (the next batch index) with a fingerprint of the
+  data it indexes, and the guard counters (skipped steps);
+- `config`: the resolved config, so a resume can refuse a config whose state or data order differs.
+The run has no stateful RNG to save: initialisation is a function of `seed`, the data order of
+(`seed`, step), and nothing in the step draws random numbers.
+
+orbax writes a step into a temporary directory and renames it when every item and every process is done,
+so an interrupted save is never listed and a resume never picks it. Retention: the latest `keep`, plus
+every step that is a multiple of `keep_every_steps` (never deleted).
 """
 
 from __future__ import annotations
 
+import json
+import logging
 from pathlib import Path
 
 import jax
 import orbax.checkpoint as ocp
 
+ITEMS = ("state", "meta", "config")
+
+# Config fields that may change between a run and its resume: they change neither the shape of the saved
+# state nor the order of the data. Everything else under `model` and `moe` shapes the state; the fields in
+# DATA_ORDER decide which rows each step reads.
+RESUMABLE_MODEL_FIELDS = {"model.dtype", "model.remat"}
+STATE_GROUPS = ("model", "moe")
+DATA_ORDER = ("seed", "train.global_batch", "train.seq_len", "data.corpus", "data.max_bytes",
+              "data.eval_every_nth_file")
+STATE_SHAPE_MOE_FIELDS = ("moe.n_routed_experts", "moe.n_shared_experts", "moe.d_ff_expert")
+
+
+class CheckpointError(RuntimeError):
+    """WORKDIR's checkpoints cannot be resumed by this run; the message says why and what to do."""
+
+
+def _manager(directory: Path, ckpt_cfg=None, *, read_only: bool = False) -> ocp.CheckpointManager:
+    if read_only:
+        options = ocp.CheckpointManagerOptions(read_only=True, create=False)
+    else:
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max(1, int(ckpt_cfg.keep)), keep_period=int(ckpt_cfg.keep_every_steps) or None,
+            create=True, enable_async_checkpointing=True)
+    return ocp.CheckpointManager(Path(directory).absolute(), options=options, item_names=ITEMS)
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def incompatibilities(saved_config: dict, config: dict) -> list[str]:
+    """'field=saved vs new' for each field whose change would break the resume: a state of another shape,
+    or another order of data."""
+    saved, new = _flat(saved_config), _flat(config)
+    fields = [f for f in new if f.split(".")[0] == "model" and f not in RESUMABLE_MODEL_FIELDS]
+    fields += list(STATE_SHAPE_MOE_FIELDS) + list(DATA_ORDER)
+    return [f"{f}={saved[f]!r} there, {new[f]!r} here" for f in fields
+            if f in saved and f in new and saved[f] != new[f]]
+
+
+def inspect_workdir(workdir: Path) -> tuple[int, dict] | None:
+    """(latest complete step, its saved config) of WORKDIR's checkpoints, or None when there are none.
+    Reads only small JSON items: it runs before anything is compiled."""
+    directory = Path(workdir) / "checkpoints"
+    if not directory.is_dir():
+        return None
+    absl_logger = logging.getLogger("absl")
+    level = absl_logger.level
+    absl_logger.setLevel(logging.ERROR)  # orbax warns that a read-only manager is read-only
+    manager = _manager(directory, read_only=True)
+    try:
+        step = manager.latest_step()
+        if step is None:
+            return None
+        try:
+            restored = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore(),
+                                                                     meta=ocp.args.JsonRestore()))
+        except Exception as e:
+            raise CheckpointError(_unreadable(directory, step, manager.all_steps(), e)) from None
+        return step, dict(restored.config)
+    finally:
+        manager.close()
+        absl_logger.setLevel(level)
+
+
+def check_resumable(workdir: Path, config_json: str):
+    """Raises CheckpointError if WORKDIR holds a run this config cannot continue."""
+    found = inspect_workdir(workdir)
+    if found is None:
+        return
+    step, saved = found
+    problems = incompatibilities(saved, json.loads(config_json))
+    if problems:
+        raise CheckpointError(f"--workdir {workdir} holds an incompatible run (checkpoint at step {step}): "
+                              f"{problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+                              + "; use a new --workdir or the saved values")
+
+
+def _unreadable(directory: Path, step: int, steps, error: Exception) -> str:
+    older = [s for s in steps if s < step]
+    what = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+    return (f"checkpoint {directory / str(step)} is incomplete or corrupt ({what}); move it out of "
+            f"{directory} to resume from " + (f"step {max(older)}" if older else "scratch"))
+
 
 class Checkpointer:
-    def __init__(self, directory: Path, *, keep: int, every_steps: int):
-        self.every_steps = every_steps
-        options = ocp.CheckpointManagerOptions(max_to_keep=max(1, keep), create=True,
-                                               enable_async_checkpointing=True)
-        self._manager = ocp.CheckpointManager(Path(directory).absolute(), options=options)
+    def __init__(self, directory: Path, ckpt_cfg):
+        self.directory = Path(directory)
+        self._manager = _manager(self.directory, ckpt_cfg)
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
-    def should_save(self, step: int, last_step: int) -> bool:
-        return step == last_step or (self.every_steps > 0 and step % self.every_steps == 0)
+    def save(self, step: int, state, *, meta: dict, config_json: str):
+        """Starts an asynchronous save (returns once the device arrays are copied to host memory)."""
+        self._manager.save(step, force=True, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta),
+            config=ocp.args.JsonSave(json.loads(config_json))))
 
-    def save(self, step: int, state):
-        self._manager.save(step, args=ocp.args.StandardSave(state))
-
-    def restore(self, step: int, abstract_state, shardings):
-        """Restore onto the given shardings (which may belong to a different mesh than the save's)."""
+    def restore(self, step: int, abstract_state, shardings) -> tuple[object, dict]:
+        """(state on the given shardings, which may belong to another mesh than the save's; meta)."""
         target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                               abstract_state, shardings)
-        return self._manager.restore(step, args=ocp.args.StandardRestore(target))
+        try:
+            restored = self._manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
+        except Exception as e:
+            raise CheckpointError(_unreadable(self.directory, step, self._manager.all_steps(), e)) from None
+        return restored.state, dict(restored.meta)
+
+    def wait(self):
+        self._manager.wait_until_finished()
 
     def close(self):
         self._manager.wait_until_finished()

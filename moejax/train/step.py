@@ -10,23 +10,17 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from moejax.model.loss import lm_loss
 from moejax.parallel.mesh import batch_sharding
 from moejax.train.optim import lr_schedule
 from moejax.train.state import TrainState
 
 
-def cross_entropy(logits_BxLxV, targets_BxL):
-    """Mean next-token cross-entropy in f32 (nats per token)."""
-    logp = jax.nn.log_softmax(logits_BxLxV.astype(jnp.float32), axis=-1)
-    return -jnp.mean(jnp.take_along_axis(logp, targets_BxL[..., None], axis=-1))
-
-
-def _loss(params, model_state, graphdef, tokens_BxL1):
+def _loss(params, model_state, graphdef, tokens_BxL1, segment_ids_BxL1=None, mtp_weight: float = 0.0):
+    """(total loss, (main cross-entropy, MoE stats, LossParts))."""
     model = nnx.merge(graphdef, params, model_state)
-    logits, stats = model(tokens_BxL1[:, :-1])
-    ce = cross_entropy(logits, tokens_BxL1[:, 1:])
-    aux = jnp.sum(stats.aux_loss) if stats is not None else jnp.float32(0)
-    return ce + aux, (ce, stats)
+    total, parts = lm_loss(model, tokens_BxL1, segment_ids_BxL1, mtp_weight=mtp_weight)
+    return total, (parts.ce, parts.stats, parts)
 
 
 def _moe_metrics(stats, model_state) -> dict:
@@ -48,11 +42,29 @@ def _moe_metrics(stats, model_state) -> dict:
     }
 
 
-def train_step(state: TrainState, tokens_BxL1, *, graphdef, tx, schedule, bias_rate: float):
+def _unpack(batch):
+    """(tokens_BxL1, segment_ids_BxL1 or None) of a pipeline batch dict, or of a bare token array."""
+    if isinstance(batch, dict):
+        return batch["tokens"], batch.get("segment_ids")
+    return batch, None
+
+
+def train_step(state: TrainState, batch: dict, *, graphdef, tx, schedule, bias_rate: float,
+               mtp_weight: float = 0.0, nan_steps: tuple[int, ...] = ()):
+    """One optimizer step on batch {"tokens", "segment_ids"} ([B, L + 1] int32; or just the tokens). A step whose loss or
+    gradient is not finite changes nothing but the step counter (its batch is skipped) and reports
+    skipped=1, so one bad batch cannot poison the parameters or the Adam moments."""
     # Differentiate w.r.t. model_state too (its gradient is zero, the bias is stop_gradient'ed): nnx needs
     # every variable of one module at the same trace level.
     grad_fn = jax.value_and_grad(_loss, argnums=(0, 1), has_aux=True)
-    (loss, (ce, stats)), (grads, _) = grad_fn(state.params, state.model_state, graphdef, tokens_BxL1)
+    (loss, (ce, stats, parts)), (grads, _) = grad_fn(state.params, state.model_state, graphdef, *_unpack(batch),
+                                                     mtp_weight)
+    if nan_steps:  # guards.inject_nan_steps: poison these steps' loss and gradient (tests the guard end to end)
+        poison = jnp.where(jnp.isin(state.step, jnp.asarray(nan_steps, jnp.int32)), jnp.nan, 1.0)
+        loss, ce = loss * poison, ce * poison
+        grads = jax.tree.map(lambda g: g * poison.astype(g.dtype), grads)
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     model_state = state.model_state
@@ -61,21 +73,34 @@ def train_step(state: TrainState, tokens_BxL1, *, graphdef, tx, schedule, bias_r
         model = nnx.merge(graphdef, params, model_state)
         model.update_router_bias(stats.tokens_per_expert_E, bias_rate)
         _, _, model_state = nnx.split(model, nnx.Param, ...)
-    metrics = {"loss": ce, "total_loss": loss, "grad_norm": optax.tree.norm(grads),
+    # jnp.where, not lax.cond: the select fuses into the update's elementwise pass and keeps donation.
+    keep_if_bad = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
+    params = keep_if_bad(params, state.params)
+    opt_state = keep_if_bad(opt_state, state.opt_state)
+    model_state = keep_if_bad(model_state, state.model_state)
+    metrics = {"loss": ce, "total_loss": loss, "grad_norm": grad_norm, "skipped": 1.0 - finite.astype(jnp.float32),
                "lr": schedule(state.step), **_moe_metrics(stats, model_state)}
+    if parts.mtp_ce_D.shape[0]:
+        metrics["mtp_loss"] = jnp.mean(parts.mtp_ce_D)  # mean over MTP depths, unweighted
     new_state = state.replace(step=state.step + 1, params=params, model_state=model_state, opt_state=opt_state)
     return new_state, metrics
 
 
-def eval_step(state: TrainState, tokens_BxL1, *, graphdef):
-    _, (ce, _) = _loss(state.params, state.model_state, graphdef, tokens_BxL1)
+def eval_step(state: TrainState, batch: dict, *, graphdef):
+    _, (ce, _, _) = _loss(state.params, state.model_state, graphdef, *_unpack(batch))
     return ce
+
+
+def parse_steps(spec: str) -> tuple[int, ...]:
+    """'3,4' -> (3, 4): the 0-based steps whose loss guards.inject_nan_steps poisons."""
+    return tuple(int(x) for x in str(spec).split(",") if x.strip())
 
 
 def jit_train_step(cfg, graphdef, tx, mesh: Mesh, shardings):
     """jax.jit of the train step with the state donated and every in/out sharding explicit."""
     fn = functools.partial(train_step, graphdef=graphdef, tx=tx, schedule=lr_schedule(cfg),
-                           bias_rate=float(cfg.moe.bias_update_rate))
+                           bias_rate=float(cfg.moe.bias_update_rate), mtp_weight=float(cfg.model.mtp_loss_weight),
+                           nan_steps=parse_steps(cfg.guards.inject_nan_steps))
     return jax.jit(fn, in_shardings=(shardings, batch_sharding(mesh)),
                    out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=0)
 
