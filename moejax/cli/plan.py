@@ -28,13 +28,19 @@ def _usage_error(message: str) -> int:
     return 2
 
 
+def _si(x: float, unit: str) -> str:
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= scale:
+            return f"{x / scale:.2f} {prefix}{unit}"
+    return f"{x:.0f} {unit}"
+
+
 def _table(report: dict) -> str:
-    b = 1e9
     return "\n".join([
-        f"parameters (main model)   {report['params_total'] / b:10.2f} B total, {report['params_active'] / b:.2f} B active per token",
-        f"parameters (MTP modules)  {report['params_mtp'] / b:10.2f} B total, {report['params_mtp_active'] / b:.2f} B active per token",
-        f"model FLOPs per token     {report['flops_per_token'] / b:10.2f} GFLOP at sequence {report['seq_len']}"
-        f" ({report['flops_per_token_without_mtp'] / b:.2f} without MTP)",
+        f"parameters (main model)   {_si(report['params_total'], '')} total, {_si(report['params_active'], '')} active per token",
+        f"parameters (MTP modules)  {_si(report['params_mtp'], '')} total, {_si(report['params_mtp_active'], '')} active per token",
+        f"model FLOPs per token     {_si(report['flops_per_token'], 'FLOP')} at sequence {report['seq_len']}"
+        f" ({_si(report['flops_per_token_without_mtp'], 'FLOP')} without MTP)",
         f"convention                {report['convention']}",
     ])
 
@@ -69,8 +75,10 @@ def main(argv=None) -> int:
 
 def _fixed(mesh_cfg) -> int:
     """A device count the config's mesh accepts (the -1 axis set to 1): the model is checked, not the mesh."""
+    from moejax.config import MESH_AXES
+
     n = 1
-    for a in mesh_cfg:
+    for a in MESH_AXES:
         n *= max(1, int(mesh_cfg[a]))
     return n
 
