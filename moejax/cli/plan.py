@@ -31,8 +31,9 @@ def _usage_error(message: str) -> int:
 def _si(x: float, unit: str) -> str:
     for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
         if abs(x) >= scale:
-            return f"{x / scale:.2f} {prefix}{unit}"
-    return f"{x:.0f} {unit}"
+            prefix = {"G": "B", "T": "T"}[prefix] if not unit and prefix in "GT" else prefix  # 671 B parameters
+            return f"{x / scale:.2f} {prefix}{unit}".rstrip()
+    return f"{x:.0f} {unit}".rstrip()
 
 
 def _table(report: dict) -> str:
