@@ -1,0 +1,147 @@
+"""Collectives of one training step per device, from the layout and the state's leaves, in the terms of
+`parallel/hlo_collectives.py` (buffer bytes per device; reduce-scatter counted at its input), so the two
+can be compared; and the wire bytes each puts on NVLink and on the NICs.
+
+The rules, per step (n_micro passes of forward + backward; layers' collectives run once per layer):
+  expert dispatch  capacity: all_to_all of [E*C, D] (compute dtype) for dispatch and combine, forward and
+                   backward, again when the forward is recomputed (remat != none); allgather: the expert
+                   group's tokens + routing gathered and outputs reduce-scattered, and their transposes;
+                   dropless: each device's T*K routed rows each way (the GPU path, ragged_all_to_all)
+  fsdp gathers     each fsdp-sharded weight is all-gathered once in the forward and, for weights inside the
+                   layer scan, once more in the backward loop (param dtype; under bf16 compute, XLA may
+                   gather after the cast: we assume the param dtype)
+  gradient sums    a weight replicated over batch axes has its gradient summed over them. GSPMD sums an
+                   fsdp-sharded weight's full gradient over fsdp and then its shard over the other replica
+                   axes; expert weights (inside shard_map) are summed in full over every non-expert batch axis
+  tensor           a weight whose input dim is split over tensor (row-parallel) all-reduces its output in the
+                   forward (and its recompute); one whose output dim is split (column-parallel) all-reduces
+                   its input gradient in the backward. Rows: the device's tokens, or E*C for expert weights
+Small collectives (losses, norms, router statistics: O(experts) floats) are left out.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jax.numpy as jnp
+
+from moejax.parallel.dispatch import capacity_per_expert
+from moejax.plan.layout import Layout, in_domain_factors
+from moejax.plan.state_shapes import state_leaves
+
+BATCH = ("data", "fsdp", "expert")
+
+
+@dataclass(frozen=True)
+class Traffic:
+    kind: str  # all-to-all | all-gather | reduce-scatter | all-reduce
+    axes: tuple[str, ...]  # mesh axes of the group
+    bytes: int  # buffer bytes per device per execution
+    count: int  # executions per step
+    what: str
+
+    @property
+    def total(self) -> int:
+        return self.bytes * self.count
+
+
+def _group(axes, sizes) -> tuple[str, ...]:
+    return tuple(a for a in axes if sizes[a] > 1)
+
+
+def step_traffic(cfg, layout: Layout, seq_len: int | None = None) -> list[Traffic]:
+    seq = int(cfg.train.seq_len if seq_len is None else seq_len)
+    sizes = layout.sizes
+    m, e = cfg.model, cfg.moe
+    act = jnp.dtype(m.dtype).itemsize
+    n_micro = max(1, cfg.train.global_batch // layout.batch_shards // layout.micro_batch)
+    tokens = layout.micro_batch * seq  # per device per pass
+    recompute = layout.remat != "none"
+    n_moe = int(m.n_layers) - int(m.first_k_dense) + int(m.get("mtp_depth", 0))
+    out: list[Traffic] = []
+
+    # Expert dispatch.
+    ep, k, n_exp, d = layout.expert, int(e.top_k), int(e.n_routed_experts), int(m.d_model)
+    if ep > 1 and n_moe:
+        passes = (4 + 2 * recompute) * n_moe * n_micro
+        if layout.dispatch == "capacity":
+            cap = capacity_per_expert(tokens, k, n_exp, float(e.capacity_factor))
+            out.append(Traffic("all-to-all", ("expert",), n_exp * cap * d * act, passes, "expert dispatch/combine"))
+        elif layout.dispatch == "dropless":
+            out.append(Traffic("all-to-all", ("expert",), tokens * k * d * act, passes, "expert dispatch/combine (ragged)"))
+        else:
+            gathered = ep * tokens
+            per = (2 + recompute) * n_moe * n_micro  # forward (+ recompute) and the transposes
+            out.append(Traffic("all-gather", ("expert",), gathered * (d * act + 8 * k), per, "expert group's tokens"))
+            out.append(Traffic("reduce-scatter", ("expert",), gathered * d * act, per, "expert outputs"))
+
+    params, _, _ = state_leaves(cfg)
+    tp = layout.tensor
+    for leaf in params:
+        f = sizes["fsdp"] if leaf.sharded_over("fsdp") else 1
+        shard = leaf.local_bytes(sizes)
+        if f > 1:
+            gathers = (2 if leaf.stacked else 1) * n_micro
+            out.append(Traffic("all-gather", ("fsdp",), shard * f, gathers, f"fsdp gather {leaf.path}"))
+        replicas = _group([a for a in BATCH if not leaf.sharded_over(a)], sizes)
+        if leaf.expert:
+            axes = _group([a for a in BATCH if a != "expert"], sizes)
+            if axes:
+                out.append(Traffic("all-reduce", axes, shard * f, n_micro, f"grad sum {leaf.path}"))
+        else:
+            if f > 1:
+                out.append(Traffic("all-reduce", ("fsdp",), shard * f, n_micro, f"grad sum (fsdp) {leaf.path}"))
+            if replicas:
+                out.append(Traffic("all-reduce", replicas, shard, n_micro, f"grad sum {leaf.path}"))
+        if tp > 1 and leaf.sharded_over("tensor"):
+            out += _tensor_traffic(leaf, tokens, n_exp * capacity_per_expert(tokens, k, n_exp, float(e.capacity_factor)),
+                                   act, layout, n_micro)
+    return out
+
+
+def _tensor_traffic(leaf, tokens, expert_rows, act, layout, n_micro) -> list[Traffic]:
+    lead = (1 if leaf.stacked else 0) + (1 if leaf.expert else 0)
+    dims = list(range(lead, len(leaf.shape)))
+    if not dims:
+        return []
+    layers = leaf.shape[0] if leaf.stacked else 1
+    rows = expert_rows if leaf.expert else tokens
+    first = dims[0]
+    if "tensor" in leaf.mesh_axes(first):  # row-parallel: the forward output (the last dim) is a partial sum
+        width = leaf.shape[-1]
+        again = layout.remat == "full" or (layout.remat == "dots" and leaf.expert)
+        return [Traffic("all-reduce", ("tensor",), rows * width * act, (1 + again) * layers * n_micro,
+                        f"tensor fwd {leaf.path}")]
+    return [Traffic("all-reduce", ("tensor",), rows * leaf.shape[first] * act, layers * n_micro,
+                    f"tensor bwd {leaf.path}")]
+
+
+def link_split(traffic: Traffic, sizes: dict[str, int], domain_size: int) -> tuple[int, int]:
+    """(devices of the group inside one domain, domains the group spans)."""
+    inside = in_domain_factors(sizes, domain_size)
+    n_in = math.prod(inside[a] for a in traffic.axes)
+    n_all = math.prod(sizes[a] for a in traffic.axes)
+    return n_in, n_all // n_in
+
+
+def wire_bytes(traffic: Traffic, sizes: dict[str, int], domain_size: int) -> dict[str, float]:
+    """Bytes one device sends per step over each link class, for NCCL-style hierarchical algorithms:
+    ring inside the domain, then across domains on 1/n_in of the data per device (one NIC per GPU)."""
+    n_in, n_out = link_split(traffic, sizes, domain_size)
+    s = traffic.bytes * traffic.count
+    factor = {"all-reduce": 2.0, "all-gather": 1.0, "reduce-scatter": 1.0, "all-to-all": 1.0}[traffic.kind]
+    if traffic.kind == "all-to-all":
+        n = n_in * n_out
+        return {"nvlink": s * (n_in - 1) / n, "nic": s * (n - n_in) / n}
+    return {"nvlink": factor * s * (n_in - 1) / n_in,
+            "nic": factor * s / n_in * (n_out - 1) / n_out if n_out > 1 else 0.0}
+
+
+def buffer_bytes_by_link(traffic: list[Traffic], sizes: dict[str, int], domain_size: int) -> dict[str, int]:
+    """Buffer bytes per step, each collective filed under nvlink when its group stays inside one domain,
+    else nic (the convention hlo_stats/hlo_collectives use for compiled programs)."""
+    out = {"nvlink": 0, "nic": 0}
+    for t in traffic:
+        out["nvlink" if link_split(t, sizes, domain_size)[1] == 1 else "nic"] += t.total
+    return out

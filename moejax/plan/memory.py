@@ -1,0 +1,70 @@
+"""Per-device memory of one training step: state, gradients, optimizer transients, activations.
+
+  params, opt_state   every leaf of the abstract train state at its sharded size (exact)
+  grads               one gradient per parameter, same sharding and dtype
+  clip_copy           optax's global-norm clip materialises the scaled gradient tree before Adam reads it
+                      twice (mu and nu): one more gradient-sized buffer at the optimizer update
+  activations         what the forward saves for the backward under the remat policy (plan/activations.py)
+  layer_live          the layer being differentiated: its weights gathered over fsdp (compute dtype) and
+                      their gradients before the fsdp reduction (param dtype)
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import jax.numpy as jnp
+
+from moejax.plan.activations import activation_bytes
+from moejax.plan.layout import Layout
+from moejax.plan.state_shapes import state_leaves
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    params: int
+    opt_state: int
+    grads: int
+    clip_copy: int
+    activations: int
+    layer_live: int
+
+    @property
+    def state(self) -> int:
+        return self.params + self.opt_state
+
+    @property
+    def total(self) -> int:
+        return self.state + self.grads + self.clip_copy + self.activations + self.layer_live
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "total": self.total}
+
+
+def _largest_layer_bytes(params, sizes, compute_itemsize) -> int:
+    """One layer of the largest stack, gathered over fsdp: weights (compute dtype) + grads (param dtype)."""
+    stacks: dict[str, int] = {}
+    for leaf in params:
+        if not leaf.stacked:
+            continue
+        stack = leaf.path.split("[")[1] if "[" in leaf.path else leaf.path  # e.g. "['moe_layers']"
+        per_layer = leaf.local_bytes(sizes, drop=("fsdp",)) // leaf.shape[0]
+        stacks[stack] = stacks.get(stack, 0) + per_layer * (1 + compute_itemsize / leaf.itemsize)
+    return int(max(stacks.values(), default=0))
+
+
+def estimate_memory(cfg, layout: Layout, seq_len: int | None = None) -> MemoryEstimate:
+    seq = int(cfg.train.seq_len if seq_len is None else seq_len)
+    sizes = layout.sizes
+    params, model_state, opt = state_leaves(cfg)
+    param_bytes = sum(leaf.local_bytes(sizes) for leaf in params) + sum(leaf.local_bytes(sizes) for leaf in model_state)
+    grads = sum(leaf.local_bytes(sizes) for leaf in params)
+    compute_itemsize = jnp.dtype(cfg.model.dtype).itemsize
+    return MemoryEstimate(
+        params=param_bytes,
+        opt_state=sum(leaf.local_bytes(sizes) for leaf in opt),
+        grads=grads,
+        clip_copy=grads,
+        activations=activation_bytes(cfg, layout.micro_batch, seq, layout.remat, layout.tensor),
+        layer_live=_largest_layer_bytes(params, sizes, compute_itemsize),
+    )

@@ -1,0 +1,79 @@
+"""The train state's leaves as data (shape, dtype, logical axes), from an abstract model: nothing allocated.
+
+Parameter shapes come from `nnx.eval_shape` of the real model (train/state.py), so the planner follows
+whatever attention or FFN the config builds (MHA, GQA, MLA, MTP) instead of re-deriving formulas.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import jax
+from flax import nnx
+
+from moejax.parallel.mesh import LOGICAL_RULES
+
+
+@dataclass(frozen=True)
+class Leaf:
+    path: str
+    shape: tuple[int, ...]
+    itemsize: int
+    logical: tuple[str | None, ...]
+
+    @property
+    def stacked(self) -> bool:
+        """Stacked over layers (run inside the scan): its collectives run once per layer."""
+        return bool(self.logical) and self.logical[0] == "layers"
+
+    @property
+    def expert(self) -> bool:
+        return "expert" in self.logical
+
+    def mesh_axes(self, dim: int) -> tuple[str, ...]:
+        rule = LOGICAL_RULES.get(self.logical[dim]) if self.logical[dim] else None
+        return () if rule is None else ((rule,) if isinstance(rule, str) else tuple(rule))
+
+    def local_shape(self, sizes: dict[str, int]) -> tuple[int, ...]:
+        """Per-device shape (XLA pads uneven shards, hence the ceiling)."""
+        return tuple(math.ceil(n / math.prod(sizes[a] for a in self.mesh_axes(i))) for i, n in enumerate(self.shape))
+
+    def local_bytes(self, sizes: dict[str, int], drop: tuple[str, ...] = ()) -> int:
+        """Bytes of one device's shard; axes in `drop` are treated as unsharded (e.g. fsdp, gathered)."""
+        kept = {a: (1 if a in drop else s) for a, s in sizes.items()}
+        return math.prod(self.local_shape(kept)) * self.itemsize
+
+    def sharded_over(self, axis: str) -> bool:
+        return any(axis in self.mesh_axes(i) for i in range(len(self.shape)))
+
+
+def _leaves(tree) -> list[Leaf]:
+    out = []
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+    for path, x in flat:
+        value = x.get_value() if isinstance(x, nnx.Variable) else x
+        names = x.get_metadata().get("logical_axes") if isinstance(x, nnx.Variable) else None
+        if not hasattr(value, "shape"):
+            continue
+        names = tuple(names) if names is not None else (None,) * len(value.shape)
+        out.append(Leaf(jax.tree_util.keystr(path), tuple(value.shape), value.dtype.itemsize, names))
+    return out
+
+
+@functools.lru_cache(maxsize=8)
+def _state_leaves_cached(cfg_json: str):
+    import ml_collections
+
+    from moejax.train.optim import make_optimizer
+    from moejax.train.state import abstract_state
+
+    cfg = ml_collections.ConfigDict(__import__("json").loads(cfg_json))
+    state = abstract_state(cfg, make_optimizer(cfg))
+    return _leaves(state.params), _leaves(state.model_state), _leaves(state.opt_state)
+
+
+def state_leaves(cfg) -> tuple[list[Leaf], list[Leaf], list[Leaf]]:
+    """(parameters, other model state, optimizer state) of the abstract train state."""
+    return _state_leaves_cached(cfg.to_json_best_effort(sort_keys=True))
