@@ -134,16 +134,10 @@ def _leaf_callback(path, shape, dtype, reader: _PieceReader):
     return fill
 
 
-def load_hf_state(hf_dir, cfg, abstract_model, shardings=None):
-    """(params, model_state) nnx States for `cfg`'s model filled from the HF checkpoint in hf_dir.
-
-    `shardings` (a State of NamedShardings matching the model's variables) places every slice on its
-    device; without it all arrays land on the first local device.
-    """
-    files = SafetensorsDir(hf_dir)
+def _checked_table(files: SafetensorsDir, cfg, abstract_model):
+    """(links, {path: abstract Variable}, zero-initialised paths) after checking names and shapes."""
     links = hf_links(cfg, packed_experts=_detect_packed(files))
-    graphdef, params, rest = nnx.split(abstract_model, nnx.Param, ...)
-    leaves = {**_flat_variables(params), **_flat_variables(rest)}
+    leaves = _flat_variables(nnx.state(abstract_model))
     leaf_shapes = {path: tuple(v.get_value().shape) for path, v in leaves.items()}
     piece_shapes = {p: _piece_shape(p.path, leaf_shapes[p.path]) for l in links for p in l.pieces}
     unknown = {p.path for p in piece_shapes} - set(leaf_shapes)
@@ -155,6 +149,28 @@ def load_hf_state(hf_dir, cfg, abstract_model, shardings=None):
         raise ConfigError(f"this model has parameters no {cfg.model.attention} HF format holds: "
                           f"{_fmt_names('.'.join(map(str, p)) for p in unlinked)}")
     check_table(files, links, piece_shapes, known_duplicates(cfg), leaf_shapes)
+    return links, leaves, zeros
+
+
+def check_hf_dir(hf_dir, base_config=None):
+    """The moejax config of an HF directory, after checking every tensor name and shape (headers only)."""
+    from moejax.train.state import create_model  # noqa: PLC0415
+
+    files = SafetensorsDir(hf_dir)
+    cfg = without_absent_mtp(from_hf_config(read_hf_config(hf_dir), base_config), files.names())
+    _checked_table(files, cfg, nnx.eval_shape(lambda: create_model(cfg, 0)))
+    return cfg, files
+
+
+def load_hf_state(hf_dir, cfg, abstract_model, shardings=None):
+    """(graphdef, params, model_state) for `cfg`'s model filled from the HF checkpoint in hf_dir.
+
+    `shardings` (a State of NamedShardings matching the model's variables) places every slice on its
+    device; without it all arrays land on the first local device.
+    """
+    files = SafetensorsDir(hf_dir)
+    links, leaves, zeros = _checked_table(files, cfg, abstract_model)
+    graphdef, params, _ = nnx.split(abstract_model, nnx.Param, ...)
     reader = _PieceReader(files, links)
     flat_shardings = _flat_variables(shardings) if shardings is not None else {}
     default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
