@@ -29,6 +29,10 @@ flags.DEFINE_string("coordinator", None, "HOST:PORT of process 0 (multi-process 
 flags.DEFINE_integer("num_processes", None, "processes in the job", flag_values=FLAGS)
 flags.DEFINE_integer("process_id", None, "this process's index in [0, num_processes)", flag_values=FLAGS)
 flags.DEFINE_integer("init_timeout", 300, "seconds to wait for every process to join and agree", flag_values=FLAGS)
+flags.DEFINE_bool("dry_run", False, "compile the train step for an emulated mesh with abstract state and compare "
+                  "XLA's memory/FLOPs/collectives with moejax-plan's prediction; trains nothing", flag_values=FLAGS)
+flags.DEFINE_integer("dry_run_devices", 0, "emulated devices for --dry_run (0: the product of the mesh axes, "
+                     "which then may not contain -1)", flag_values=FLAGS)
 
 PROG = "moejax-train"
 
@@ -56,6 +60,8 @@ def main(argv=None) -> int:
         return _usage_error(f"cannot load --config: {str(e).strip().splitlines()[-1].strip()}")
     if cfg is None:
         return _usage_error("--config is required, e.g. --config configs/tiny.py")
+    if FLAGS.dry_run:
+        return _dry_run(cfg)
     if not FLAGS.workdir:
         return _usage_error("--workdir is required")
 
@@ -111,6 +117,37 @@ def main(argv=None) -> int:
     except Stopped as e:  # preempted: the checkpoint is saved; the shell's usual code for the signal
         print(f"{PROG}: {e}", file=sys.stderr)
         return 128 + e.signum
+    return 0
+
+
+def _dry_run(cfg) -> int:
+    """--dry_run: emulate the mesh's devices on CPU (before jax is imported), compile, report."""
+    import json
+    import os
+
+    n = FLAGS.dry_run_devices
+    if n <= 0:
+        axes = [int(cfg.mesh[a]) for a in ("data", "fsdp", "expert", "tensor")]
+        if -1 in axes:
+            return _usage_error("--dry_run needs --dry_run_devices N when a mesh axis is -1")
+        n = 1
+        for s in axes:
+            n *= s
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}").strip()
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    from moejax.config import ConfigError
+    from moejax.parallel.device_grid import MeshLayoutError
+    from moejax.parallel.topology import TopologyError
+    from moejax.train.dry_run import dry_run, format_report
+
+    try:
+        report = dry_run(cfg, n)
+    except (ConfigError, MeshLayoutError, TopologyError) as e:
+        return _usage_error(str(e))
+    print(format_report(report))
+    if FLAGS.workdir:
+        Path(FLAGS.workdir).mkdir(parents=True, exist_ok=True)
+        (Path(FLAGS.workdir) / "dry_run.json").write_text(json.dumps(report, indent=2) + "\n")
     return 0
 
 

@@ -1,0 +1,148 @@
+"""Step time, throughput and TFLOP/s of a layout on a topology, and the ranked search over layouts.
+
+Time model (every assumption is listed by `assumptions()` and printed with the results):
+  compute   model FLOPs (Megatron-Core convention, plan's tokens) x recompute factor / (bf16 peak x efficiency)
+  exposed   expert all-to-all and tensor all-reduces sit on the critical path (the next matmul needs
+            them); fsdp gathers and gradient sums overlap with compute and only their excess shows
+  links     wire bytes of hierarchical collectives (comm.wire_bytes) over per-GPU NVLink / NIC bandwidth
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moejax.config import ConfigError, validate
+from moejax.model.accounting import flops_per_token
+from moejax.parallel.topology import Topology
+from moejax.plan.comm import buffer_bytes_by_link, step_traffic, wire_bytes
+from moejax.plan.layout import Layout
+from moejax.plan.memory import MemoryEstimate, estimate_memory
+
+RECOMPUTE = {"none": 1.0, "dots": 1.1, "full": 4 / 3}  # hardware FLOPs / model FLOPs
+CRITICAL = ("expert", "tensor")  # collectives over these axes are waited on, not overlapped
+REMATS = ("none", "dots", "full")
+DISPATCHES = ("capacity", "allgather", "dropless")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    layout: Layout
+    memory: MemoryEstimate
+    fits: bool
+    buffer_bytes: dict  # per link class, per step (hlo_collectives' convention)
+    wire_bytes: dict  # per link class, per step
+    compute_s: float
+    exposed_comm_s: float
+    step_s: float
+    tokens_per_s_per_gpu: float
+    tflops_per_gpu: float
+    mfu: float
+
+    def to_dict(self) -> dict:
+        return {"layout": self.layout.to_dict(), "name": self.layout.name(), "memory": self.memory.to_dict(),
+                "fits": self.fits, "buffer_bytes": self.buffer_bytes, "wire_bytes": self.wire_bytes,
+                "compute_s": self.compute_s, "exposed_comm_s": self.exposed_comm_s, "step_s": self.step_s,
+                "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "tflops_per_gpu": self.tflops_per_gpu,
+                "mfu": self.mfu}
+
+
+def domain_size_for(topo: Topology, n_gpus: int, override: int = 0) -> int:
+    """Devices per NVLink domain the job uses: the override, the whole domain when the job fills whole
+    domains, else the largest multiple of a process's devices that divides the job (NVL72 at 256 GPUs: 64
+    of each rack's 72, as launch/ does)."""
+    if override:
+        return override
+    size = topo.domain_size or n_gpus
+    if n_gpus % size == 0:
+        return size
+    step = max(1, topo.devices_per_process)
+    return max((d for d in range(step, size + 1, step) if n_gpus % d == 0), default=1)
+
+
+def predict(cfg, topo: Topology, layout: Layout, *, efficiency: float, domain_size: int) -> Prediction:
+    t = cfg.train
+    seq = int(t.seq_len)
+    n = layout.n_devices
+    memory = estimate_memory(cfg, layout, seq)
+    traffic = step_traffic(cfg, layout, seq)
+    wire = {"nvlink": 0.0, "nic": 0.0}
+    critical_s = overlap_s = 0.0
+    for tr in traffic:
+        w = wire_bytes(tr, layout.sizes, domain_size)
+        for link in wire:
+            wire[link] += w[link]
+        seconds = sum(w[link] / topo.link_bw(link) for link in w)
+        if set(tr.axes) <= set(CRITICAL):
+            critical_s += seconds
+        else:
+            overlap_s += seconds
+    tokens_per_step = t.global_batch * seq
+    model_flops = flops_per_token(cfg, seq) * tokens_per_step / n
+    compute_s = model_flops * RECOMPUTE[layout.remat] / (topo.peak_bf16 * efficiency)
+    exposed = critical_s + max(0.0, overlap_s - compute_s)
+    step_s = compute_s + exposed
+    tokens_per_s = tokens_per_step / step_s / n
+    return Prediction(layout, memory, memory.total <= topo.hbm_bytes, buffer_bytes_by_link(traffic, layout.sizes, domain_size),
+                      wire, compute_s, exposed, step_s, tokens_per_s, model_flops / step_s / 1e12,
+                      model_flops / step_s / topo.peak_bf16)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_layouts(cfg, n_gpus: int, domain_size: int, *, remats=REMATS, dispatches=None,
+                      max_tensor: int = 8) -> list[Layout]:
+    """Every layout the config accepts on n_gpus with expert x tensor inside one domain."""
+    dispatches = dispatches or (cfg.moe.dispatch,)
+    out = []
+    for expert in _divisors(n_gpus):
+        for tensor in (t for t in _divisors(max_tensor) if n_gpus % (expert * t) == 0):
+            if domain_size % (expert * tensor):
+                continue
+            rest = n_gpus // (expert * tensor)
+            for fsdp in _divisors(rest):
+                data = rest // fsdp
+                trial = cfg.copy_and_resolve_references()
+                with trial.unlocked():
+                    trial.mesh.data, trial.mesh.fsdp, trial.mesh.expert, trial.mesh.tensor = data, fsdp, expert, tensor
+                try:
+                    validate(trial, n_gpus)
+                except ConfigError:
+                    continue
+                if cfg.model.n_heads % tensor:
+                    continue
+                per_device = cfg.train.global_batch // (data * fsdp * expert)
+                for mb in (m for m in _divisors(per_device) if m & (m - 1) == 0 or m == per_device):
+                    for remat in remats:
+                        for dispatch in dispatches:
+                            out.append(Layout(data, fsdp, expert, tensor, remat, mb, dispatch))
+    return out
+
+
+def rank(predictions: list[Prediction]) -> list[Prediction]:
+    """Layouts that fit first, fastest first."""
+    return sorted(predictions, key=lambda p: (not p.fits, p.step_s))
+
+
+def assumptions(topo: Topology, efficiency: float, domain_size: int) -> list[str]:
+    return [
+        f"hardware: {topo.name} ({topo.notes}); bf16 dense peak {topo.peak_bf16 / 1e12:.0f} TFLOP/s, "
+        f"HBM {topo.hbm_bytes / 1e9:.0f} GB, NVLink {topo.nvlink_bw / 1e9:.0f} GB/s and NIC {topo.nic_bw / 1e9:.0f} GB/s "
+        "per GPU each way (nominal)",
+        f"NVLink domain used: {domain_size} GPUs (expert x tensor inside one domain, fsdp then data across)",
+        f"compute: model FLOPs (Megatron-Core convention) at {efficiency:.0%} of the bf16 dense peak, times "
+        "the recompute factor (none 1.0, dots 1.1, full 4/3)",
+        "communication: NCCL-style hierarchical collectives (ring inside the domain, then 1/n_in of the data per "
+        "GPU over its own NIC); expert all-to-all and tensor all-reduces are not overlapped with compute, fsdp "
+        "gathers and gradient sums are overlapped and only their excess over compute shows",
+        "dispatch bytes: capacity = E x C x D per exchange; dropless = the device's T x K routed rows (GPU ragged "
+        "path); 4 exchanges per MoE layer per pass, 6 with recompute",
+        "memory: the train state at its sharded size (params and AdamW moments in model.param_dtype), one gradient "
+        "tree, one clipped-gradient copy, the residuals the remat policy saves for one micro-batch, and the "
+        "largest layer's gathered weights and unreduced gradients; no allocator fragmentation or NCCL buffers",
+        "micro-batch below the per-device batch assumes gradient accumulation (moejax's step runs one pass: "
+        "such layouts are what the planner would run, not what train_step compiles today)",
+        "not modelled: pipeline parallelism, FP8 GEMMs, communication/computation overlap inside the MoE layer "
+        "(DualPipe-style), load imbalance across experts, stragglers",
+    ]

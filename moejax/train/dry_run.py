@@ -1,0 +1,101 @@
+"""`moejax-train --config C --dry_run`: compile the real training step for an emulated mesh with abstract
+state (ShapeDtypeStruct with shardings; nothing is allocated) and put XLA's per-device memory, FLOPs and
+collectives next to the planner's prediction for the same layout.
+
+The CLI sets the emulated device count (XLA_FLAGS) before jax is imported; this module only compiles.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+
+from moejax.config import validate
+from moejax.model.accounting import flops_per_token
+from moejax.parallel.hlo_collectives import collectives
+from moejax.parallel.mesh import batch_sharding, make_mesh
+from moejax.parallel.topology import TOPOLOGIES, get_topology
+from moejax.plan.comm import buffer_bytes_by_link, step_traffic
+from moejax.plan.layout import Layout
+from moejax.plan.memory import estimate_memory
+from moejax.plan.predict import domain_size_for
+from moejax.train.optim import make_optimizer
+from moejax.train.state import abstract_state, model_graphdef, state_shardings
+from moejax.train.step import jit_train_step
+
+
+def dry_run(cfg, n_devices: int) -> dict:
+    sizes = validate(cfg, n_devices)
+    name = cfg.mesh.topology if cfg.mesh.topology != "auto" else "cpu"
+    topo = get_topology(name) if name in TOPOLOGIES else TOPOLOGIES["cpu"]
+    domain = domain_size_for(topo, n_devices, int(cfg.mesh.domain_size)) if topo.domain_size else n_devices
+    devices = jax.devices()[:n_devices]
+    mesh = make_mesh(sizes, devices, topology="cpu", domain_size=domain,
+                     allow_cross_domain=bool(cfg.mesh.allow_cross_domain_experts))
+    tx = make_optimizer(cfg)
+    abstract = abstract_state(cfg, tx)
+    shardings = state_shardings(abstract, mesh)
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.train.seq_len + 1), jnp.int32,
+                                 sharding=batch_sharding(mesh))
+    start = time.perf_counter()
+    with jax.set_mesh(mesh):
+        compiled = jit_train_step(cfg, model_graphdef(cfg), tx, mesh, shardings).lower(state, batch).compile()
+    compile_s = time.perf_counter() - start
+
+    mem = compiled.memory_analysis()
+    xla_bytes = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    colls = collectives(compiled.as_text())
+    domain_of = {d.id: i // domain for i, d in enumerate(sorted(devices, key=lambda d: (d.process_index, d.id)))}
+    hlo_links = {"nvlink": 0, "nic": 0}
+    hlo_kinds: dict[str, int] = {}
+    for c in colls:
+        link = "nvlink" if all(len({domain_of[i] for i in g}) == 1 for g in c.groups) else "nic"
+        hlo_links[link] += c.bytes * c.count
+        hlo_kinds[c.kind] = hlo_kinds.get(c.kind, 0) + c.bytes * c.count
+
+    layout = Layout(**sizes, remat=cfg.model.remat, micro_batch=cfg.train.global_batch // (sizes["data"] * sizes["fsdp"] * sizes["expert"]),
+                    dispatch=cfg.moe.dispatch)
+    predicted_mem = estimate_memory(cfg, layout)
+    traffic = step_traffic(cfg, layout)
+    pred_kinds: dict[str, int] = {}
+    for t in traffic:
+        pred_kinds[t.kind] = pred_kinds.get(t.kind, 0) + t.total
+    tokens = cfg.train.global_batch * cfg.train.seq_len
+    return {
+        "devices": n_devices, "mesh": sizes, "domain_size": domain, "layout": layout.name(),
+        "compile_s": compile_s,
+        "xla": {"memory_bytes": xla_bytes, "argument_bytes": mem.argument_size_in_bytes,
+                "output_bytes": mem.output_size_in_bytes, "alias_bytes": mem.alias_size_in_bytes,
+                "temp_bytes": mem.temp_size_in_bytes, "flops": float(cost.get("flops", 0.0)),
+                "collective_bytes": hlo_kinds, "collective_bytes_by_link": hlo_links},
+        "plan": {"memory_bytes": predicted_mem.total, "memory": predicted_mem.to_dict(),
+                 "model_flops_per_device": flops_per_token(cfg) * tokens / n_devices,
+                 "collective_bytes": pred_kinds,
+                 "collective_bytes_by_link": buffer_bytes_by_link(traffic, sizes, domain)},
+    }
+
+
+def format_report(r: dict) -> str:
+    gib = 2**30
+    x, p = r["xla"], r["plan"]
+    lines = [
+        f"dry run: {r['layout']} on {r['devices']} emulated devices (NVLink domain {r['domain_size']}), "
+        f"compiled in {r['compile_s']:.1f}s; per device:",
+        f"  {'':28s} {'XLA':>12s} {'planner':>12s}",
+        f"  {'memory (GiB)':28s} {x['memory_bytes'] / gib:12.3f} {p['memory_bytes'] / gib:12.3f}"
+        f"   (XLA: arguments {x['argument_bytes'] / gib:.3f} + temp {x['temp_bytes'] / gib:.3f}, outputs aliased)",
+    ]
+    for kind in sorted(set(x["collective_bytes"]) | set(p["collective_bytes"])):
+        lines.append(f"  {kind + ' (MB/step)':28s} {x['collective_bytes'].get(kind, 0) / 1e6:12.2f} "
+                     f"{p['collective_bytes'].get(kind, 0) / 1e6:12.2f}")
+    for link in ("nvlink", "nic"):
+        lines.append(f"  {'on ' + link + ' (MB/step)':28s} {x['collective_bytes_by_link'][link] / 1e6:12.2f} "
+                     f"{p['collective_bytes_by_link'][link] / 1e6:12.2f}")
+    lines.append(f"  {'FLOPs (TFLOP/step)':28s} {x['flops'] / 1e12:12.4f} {p['model_flops_per_device'] / 1e12:12.4f}"
+                 "   (XLA counts a scan body once; the planner column is model FLOPs for all layers)")
+    return "\n".join(lines)
