@@ -10,6 +10,9 @@ CPU_MESH = XLA_FLAGS="$${XLA_FLAGS:-} --xla_force_host_platform_device_count=8"
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
+	# A CPU build of torch first (the tests only need it on CPU; this machine image ships 2.13.0's wheel,
+	# and an unconstrained resolve would pull a multi-GB CUDA build). Any torch>=2.4 works.
+	$(VENV)/bin/python -m pip install -q 'torch==2.13.0' || $(VENV)/bin/python -m pip install -q 'torch>=2.4'
 	$(VENV)/bin/python -m pip install -q -e '.[test]'
 	touch $@
 

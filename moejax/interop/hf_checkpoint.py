@@ -136,7 +136,7 @@ def _leaf_callback(path, shape, dtype, reader: _PieceReader):
 
 def _checked_table(files: SafetensorsDir, cfg, abstract_model):
     """(links, {path: abstract Variable}, zero-initialised paths) after checking names and shapes."""
-    links = hf_links(cfg, packed_experts=_detect_packed(files))
+    links = hf_links(cfg, packed_experts=files.names())
     leaves = _flat_variables(nnx.state(abstract_model))
     leaf_shapes = {path: tuple(v.get_value().shape) for path, v in leaves.items()}
     piece_shapes = {p: _piece_shape(p.path, leaf_shapes[p.path]) for l in links for p in l.pieces}
@@ -187,8 +187,8 @@ def load_hf_state(hf_dir, cfg, abstract_model, shardings=None):
 
     param_paths = set(_flat_variables(params))
     filled = {path: make(path, v) for path, v in leaves.items()}
-    params_out = nnx.State.from_flat_path({p: v for p, v in filled.items() if p in param_paths})
-    rest_out = nnx.State.from_flat_path({p: v for p, v in filled.items() if p not in param_paths})
+    params_out = nnx.from_flat_state({p: v for p, v in filled.items() if p in param_paths})
+    rest_out = nnx.from_flat_state({p: v for p, v in filled.items() if p not in param_paths})
     return graphdef, params_out, rest_out
 
 

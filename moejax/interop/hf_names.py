@@ -141,8 +141,11 @@ def _dense_mlp_links(prefix: str, p) -> list[Link]:
     ]
 
 
-def _moe_links(cfg, prefix: str, stack: str, layer: int | None, fmt: str, packed: bool) -> list[Link]:
+def _moe_links(cfg, prefix: str, stack: str, layer: int | None, fmt: str, packed) -> list[Link]:
+    """packed: a bool, or the set of tensor names in the files (decided per layer: a file may mix both)."""
     e = cfg.moe
+    if not isinstance(packed, bool):
+        packed = f"{prefix}.mlp.experts.gate_up_proj" in packed
     f = e.d_ff_expert
 
     def p(*names, expert=None):
@@ -173,8 +176,9 @@ def _moe_links(cfg, prefix: str, stack: str, layer: int | None, fmt: str, packed
     return links
 
 
-def hf_links(cfg, *, packed_experts: bool) -> list[Link]:
-    """Every link for this config, in HF tensor order (embedding, layers, MTP modules, norm, head)."""
+def hf_links(cfg, *, packed_experts) -> list[Link]:
+    """Every link for this config, in HF tensor order (embedding, layers, MTP modules, norm, head).
+    packed_experts: True/False for writing; the set of names present when reading."""
     m = cfg.model
     fmt = hf_format_of(cfg)
     links = [_one("model.embed_tokens.weight", Piece(("embed", "table_VxD"), None, None), _identity())]
