@@ -19,6 +19,16 @@ config_flags.DEFINE_config_file("config", None, "ml_collections config file, e.g
 flags.DEFINE_integer("seq_len", None, "sequence length for the FLOP count (default: train.seq_len)",
                      flag_values=FLAGS)
 flags.DEFINE_bool("json", False, "print one JSON object instead of a table", flag_values=FLAGS)
+flags.DEFINE_string("topology", None, "rank layouts on this hardware (moejax/parallel/topology.py): "
+                    "gb300-nvl72, gb200-nvl72, hgx-b200, hgx-h200, hgx-h100, cpu", flag_values=FLAGS)
+flags.DEFINE_string("gpus", None, "GPU count(s) for --topology, e.g. 256 or 256,512,1024 (scaling efficiency "
+                    "is relative to the first)", flag_values=FLAGS)
+flags.DEFINE_float("efficiency", 0.5, "fraction of the bf16 dense peak the model's GEMMs reach", flag_values=FLAGS)
+flags.DEFINE_integer("domain_size", 0, "GPUs used per NVLink domain (0: whole domains, or the largest multiple of a "
+                     "tray that divides the job, e.g. 64 of an NVL72 rack at 256 GPUs)", flag_values=FLAGS)
+flags.DEFINE_string("remat", "none,dots,full", "remat policies to consider", flag_values=FLAGS)
+flags.DEFINE_string("dispatch", None, "dispatch modes to consider (default: the config's)", flag_values=FLAGS)
+flags.DEFINE_integer("top", 5, "layouts to show per GPU count", flag_values=FLAGS)
 
 PROG = "moejax-plan"
 
@@ -70,8 +80,46 @@ def main(argv=None) -> int:
     except ConfigError as e:
         return _usage_error(str(e))
     report = {"model": accounting_report(cfg, FLAGS.seq_len)}
-    print(json.dumps(report, indent=2) if FLAGS.json else _table(report["model"]))
+    if FLAGS.topology or FLAGS.gpus:
+        try:
+            report["plan"] = _layouts(cfg)
+        except ValueError as e:  # TopologyError, bad --gpus/--remat/--dispatch lists
+            return _usage_error(str(e))
+    if FLAGS.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(_table(report["model"]))
+        if "plan" in report:
+            from moejax.plan.search import format_plan
+
+            print("\n" + format_plan(report["plan"]))
     return 0
+
+
+def _layouts(cfg) -> dict:
+    """--topology/--gpus: the ranked layouts (moejax/plan/search.py)."""
+    from moejax.config import DISPATCH_MODES, REMAT_POLICIES
+    from moejax.parallel.topology import get_topology
+    from moejax.plan.search import plan
+
+    if not (FLAGS.topology and FLAGS.gpus):
+        raise ValueError("--topology and --gpus go together, e.g. --topology gb300-nvl72 --gpus 256,512,1024")
+    topo = get_topology(FLAGS.topology)
+    try:
+        gpus = [int(g) for g in FLAGS.gpus.split(",") if g.strip()]
+    except ValueError:
+        raise ValueError(f"--gpus={FLAGS.gpus!r} is not a comma-separated list of GPU counts") from None
+    if not gpus or min(gpus) <= 0:
+        raise ValueError(f"--gpus={FLAGS.gpus!r}: GPU counts must be positive")
+    if not 0 < FLAGS.efficiency <= 1:
+        raise ValueError(f"--efficiency={FLAGS.efficiency} must lie in (0, 1]")
+    remats = tuple(r.strip() for r in FLAGS.remat.split(",") if r.strip())
+    dispatches = tuple(d.strip() for d in FLAGS.dispatch.split(",")) if FLAGS.dispatch else None
+    for name, values, allowed in (("--remat", remats, REMAT_POLICIES), ("--dispatch", dispatches or (), DISPATCH_MODES)):
+        if bad := [v for v in values if v not in allowed]:
+            raise ValueError(f"{name}: {bad[0]!r} is not one of {', '.join(allowed)}")
+    return plan(cfg, topo, gpus, efficiency=FLAGS.efficiency, domain_size=FLAGS.domain_size, remats=remats,
+                dispatches=dispatches, top=FLAGS.top)
 
 
 def _fixed(mesh_cfg) -> int:

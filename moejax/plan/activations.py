@@ -52,12 +52,3 @@ def activation_bytes(cfg, micro_batch: int, seq_len: int, remat: str, tensor: in
         total += n if (shape and shape[-1] == d_model) else -(-n // tensor)
     return total
 
-
-def layer_working_bytes(cfg, micro_batch: int, seq_len: int, tensor: int = 1) -> int:
-    """What one layer's backward holds at once when its forward is recomputed: that layer's residuals
-    without remat (the no-remat total less the full-remat total, over the layers)."""
-    m = cfg.model
-    n_layers = int(m.n_layers) + int(m.get("mtp_depth", 0))
-    none = activation_bytes(cfg, micro_batch, seq_len, "none", tensor)
-    full = activation_bytes(cfg, micro_batch, seq_len, "full", tensor)
-    return max(0, none - full) // max(1, n_layers)

@@ -1,7 +1,7 @@
 """Per-device memory of one training step: state, gradients, optimizer transients, activations.
 
   params, opt_state   every leaf of the abstract train state at its sharded size (exact)
-  grads               one gradient per parameter, same sharding and dtype
+  grads               one gradient per parameter in its dtype, at its size before the fsdp reduction
   clip_copy           optax's global-norm clip materialises the scaled gradient tree before Adam reads it
                       twice (mu and nu): one more gradient-sized buffer at the optimizer update
   activations         what the forward saves for the backward under the remat policy (plan/activations.py)
@@ -59,11 +59,14 @@ def estimate_memory(cfg, layout: Layout, seq_len: int | None = None) -> MemoryEs
     params, model_state, opt = state_leaves(cfg)
     param_bytes = sum(leaf.local_bytes(sizes) for leaf in params) + sum(leaf.local_bytes(sizes) for leaf in model_state)
     grads = sum(leaf.local_bytes(sizes) for leaf in params)
+    # GSPMD sums an fsdp-sharded weight's gradient at its full (unsharded over fsdp) size and slices after
+    # the sum (seen in the compiled HLO), so the backward holds gradients at that size.
+    unreduced = sum(leaf.local_bytes(sizes, drop=("fsdp",)) for leaf in params)
     compute_itemsize = jnp.dtype(cfg.model.dtype).itemsize
     return MemoryEstimate(
         params=param_bytes,
         opt_state=sum(leaf.local_bytes(sizes) for leaf in opt),
-        grads=grads,
+        grads=unreduced,
         clip_copy=grads,
         activations=activation_bytes(cfg, layout.micro_batch, seq, layout.remat, layout.tensor),
         layer_live=_largest_layer_bytes(params, sizes, compute_itemsize),
