@@ -13,6 +13,7 @@ JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID, or run under SLURM/Ope
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -93,7 +94,7 @@ def main(argv=None) -> int:
     from moejax.data.shards import DataError
     from moejax.data.sources import open_sources
     from moejax.train.checkpoint import CheckpointError, check_resumable
-    from moejax.train.loop import NonFiniteLoss, Stopped, train, write_config
+    from moejax.train.loop import NonFiniteLoss, Stopped, train
 
     try:  # bad data or a WORKDIR holding another run: exit 2 before anything is compiled or written
         sources = open_sources(cfg.data, vocab_size=cfg.model.vocab_size)
@@ -105,12 +106,17 @@ def main(argv=None) -> int:
     for noisy in ("absl", "jax", "orbax", "grain"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     if jax.process_index() == 0:
-        workdir.mkdir(parents=True, exist_ok=True)
-        write_config(cfg, workdir)
+        workdir.mkdir(parents=True, exist_ok=True)  # config.json is written once the checkpoint restored
     try:
         train(cfg, workdir, mesh_sizes, sources)
     except (DataError, CheckpointError) as e:  # found only once reading or restoring: still bad input
-        return _usage_error(str(e))
+        # A failed orbax restore can leave tensorstore reads in flight whose callbacks would print
+        # tracebacks into a closed event loop at interpreter exit: say why on the real stderr and leave
+        # without running them.
+        sys.__stderr__.write(f"{PROG}: error: {e}\n")
+        sys.stdout.flush()
+        sys.__stderr__.flush()
+        os._exit(2)
     except NonFiniteLoss as e:
         print(f"{PROG}: stopped: {e}", file=sys.stderr)
         return 3

@@ -84,6 +84,8 @@ def train(cfg, workdir: Path, mesh_sizes: dict[str, int], sources=None) -> dict:
         next_batch, skipped_total = int(meta["data"]["next_batch"]), int(meta["skipped_steps"])
     else:
         state, shardings = init_state(cfg, tx, mesh, cfg.seed)
+    if is_main:  # only now: a run refused above (broken checkpoint, changed data) leaves config.json alone
+        write_config(cfg, workdir)
 
     in_sharding = batch_sharding(mesh)
     example = _global_batch(batches[next_batch], in_sharding)

@@ -1,0 +1,148 @@
+"""Exact resume: a run killed (SIGKILL) or preempted (SIGTERM) at a random step and resumed has per-step
+losses bitwise identical to the run that never stopped (CPU, f32); a checkpoint restored onto another
+mesh and device count continues it to 1e-6 relative. Broken or incompatible checkpoints exit 2 untouched."""
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 30
+SMALL = ["--config", str(ROOT / "configs/tiny.py"), "--config.train.global_batch=8", "--config.train.seq_len=32",
+         "--config.train.log_every=1", "--config.train.eval_every=0", "--config.data.max_bytes=1000000",
+         "--config.model.n_layers=2", "--config.model.d_model=64", "--config.model.head_dim=16",
+         "--config.model.d_ff=128", "--config.moe.d_ff_expert=32", "--config.moe.capacity_factor=0",
+         "--config.checkpoint.every_steps=5", "--config.checkpoint.keep=10", f"--config.train.steps={STEPS}"]
+RNG = random.Random(int(os.environ.get("MOEJAX_TEST_SEED", time.time_ns() % 1000)))
+
+
+def command(workdir, *extra):
+    return [sys.executable, "-m", "moejax.train", *SMALL, "--workdir", str(workdir), *extra]
+
+
+def env(devices=8):
+    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+
+
+def run(workdir, *extra, devices=8):
+    return subprocess.run(command(workdir, *extra), env=env(devices), cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+
+
+def records(workdir):
+    """Every metrics record in file order (a resumed run appends the steps it redoes)."""
+    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def losses(workdir):
+    return {r["step"]: r["loss"] for r in records(workdir)}
+
+
+def tree_digest(path: Path) -> dict:
+    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("straight") / "run"
+    proc = run(workdir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(losses(workdir)) == list(range(1, STEPS + 1))
+    return workdir
+
+
+def interrupt_at_random_step(workdir, sig, earliest):
+    """Starts the run, waits until it logged a random step >= earliest with checkpoint 5 complete, sends sig."""
+    target = RNG.randint(earliest, STEPS - 4)
+    proc = subprocess.Popen(command(workdir), env=env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    metrics, done = workdir / "metrics.jsonl", workdir / "checkpoints" / "5" / "commit_success.txt"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and done.exists():
+            steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines() if x.strip()]
+            if steps and steps[-1] >= target:
+                break
+        time.sleep(0.02)
+    assert proc.poll() is None, "the run ended before it could be interrupted: " + proc.communicate()[1][-2000:]
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=300)
+    return target, proc.returncode, out, err
+
+
+def test_sigkill_then_resume_is_bitwise_identical(straight, tmp_path):
+    workdir = tmp_path / "run"
+    target, rc, _, _ = interrupt_at_random_step(workdir, signal.SIGKILL, earliest=6)
+    assert rc == -signal.SIGKILL
+    before = losses(workdir)
+    assert max(before) >= target
+    proc = run(workdir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed_at = int(proc.stdout.split("resumed at step ")[1].split()[0])
+    assert resumed_at % 5 == 0 and resumed_at <= max(before), (resumed_at, max(before))
+    want = losses(straight)
+    for r in records(workdir):  # the killed run's steps and the resumed run's, redone ones included
+        assert r["loss"] == want[r["step"]], (r["step"], r["loss"], want[r["step"]], f"killed at {target}")
+    assert sorted(losses(workdir)) == list(range(1, STEPS + 1))
+
+
+def test_sigterm_saves_then_resume_is_bitwise_identical(straight, tmp_path):
+    workdir = tmp_path / "run"
+    target, rc, _, err = interrupt_at_random_step(workdir, signal.SIGTERM, earliest=6)
+    assert rc == 128 + signal.SIGTERM, err[-2000:]
+    saved = int(err.split("saved a checkpoint at step ")[1].split()[0])
+    assert saved >= target and (workdir / "checkpoints" / str(saved)).is_dir()
+    assert max(losses(workdir)) == saved  # it stopped right after the step in flight
+    proc = run(workdir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resumed at step {saved}" in proc.stdout
+    want = losses(straight)
+    for r in records(workdir):
+        assert r["loss"] == want[r["step"]], (r["step"], r["loss"], want[r["step"]], f"stopped at {saved}")
+
+
+def test_restore_onto_another_mesh_and_device_count(straight, tmp_path):
+    workdir = tmp_path / "run"
+    (workdir / "checkpoints").mkdir(parents=True)
+    shutil.copytree(straight / "checkpoints" / "15", workdir / "checkpoints" / "15")
+    # 8 devices as data=2 x expert=4 -> 4 devices as fsdp=2 x expert=2: every array is resharded.
+    proc = run(workdir, "--config.mesh.data=1", "--config.mesh.fsdp=2", "--config.mesh.expert=2", devices=4)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed at step 15" in proc.stdout
+    want, got = losses(straight), losses(workdir)
+    assert sorted(got) == list(range(16, STEPS + 1))
+    for step, loss in got.items():
+        assert abs(loss - want[step]) <= 1e-6 * abs(want[step]), (step, loss, want[step])
+
+
+def test_incompatible_workdir_and_broken_checkpoint_exit_2_untouched(straight, tmp_path):
+    workdir = tmp_path / "run"
+    shutil.copytree(straight, workdir)
+    before = tree_digest(workdir)
+    for extra, message in ((["--config.model.d_model=128"], "model.d_model=64 there, 128 here"),
+                           (["--config.train.global_batch=16"], "train.global_batch=8 there, 16 here"),
+                           (["--config.seed=1"], "seed=0 there, 1 here")):
+        proc = run(workdir, *extra)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and "incompatible run" in lines[0], proc.stderr[-2000:]
+        assert message in lines[0], lines[0]
+        assert tree_digest(workdir) == before
+
+    # A truncated checkpoint: the latest step lost its array data.
+    shutil.rmtree(workdir / "checkpoints" / "30" / "state" / "d")
+    before = tree_digest(workdir)
+    proc = run(workdir, f"--config.train.steps={STEPS + 5}")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert "checkpoints/30 is incomplete or corrupt" in lines[0] and "resume from step 25" in lines[0], lines[0]
+    assert tree_digest(workdir) == before
