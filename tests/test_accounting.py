@@ -62,3 +62,62 @@ def test_param_counts_match_the_model():
     model = nnx.eval_shape(lambda: create_model(cfg, 0))
     n = sum(x.size for x in jax.tree.leaves(nnx.state(model)))  # params and the router's selection bias
     assert n == param_counts(cfg)["total"]
+
+
+def _config_file(name):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "configs" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def test_deepseek_v3_671b_matches_the_published_numbers():
+    from moejax.model.accounting import accounting_report
+
+    report = accounting_report(_config_file("deepseek_v3_671b"))
+    assert abs(report["params_total"] / 1e9 - 671.0) <= 0.5
+    assert 36.5 <= report["params_active"] / 1e9 <= 38.0  # "about 37B activated"
+    assert report["seq_len"] == 4096
+    assert report["flops_per_token"] / 1e9 == pytest.approx(259.99, rel=1e-3)
+    assert report["flops_per_token_without_mtp"] / 1e9 == pytest.approx(249.81, rel=1e-3)
+
+
+@pytest.mark.parametrize("name, total_b, active_b", [("mixtral_8x7b", 46.7, 12.9), ("qwen3_moe_30b_a3b", 30.5, 3.3)])
+def test_published_sizes_of_the_other_families(name, total_b, active_b):
+    counts = param_counts(_config_file(name))
+    assert counts["total"] / 1e9 == pytest.approx(total_b, abs=0.1)
+    assert counts["active"] / 1e9 == pytest.approx(active_b, abs=0.1)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3_small", "tiny_mixtral", "tiny_qwen3_moe", "tiny"])
+def test_param_counts_match_every_family_model(name):
+    import jax
+    from flax import nnx
+
+    from moejax.train.state import create_model
+
+    cfg = _config_file(name)
+    model = nnx.eval_shape(lambda: create_model(cfg, 0))
+    counts = param_counts(cfg)
+    assert sum(x.size for x in jax.tree.leaves(nnx.state(model))) == counts["total"] + counts["mtp"]
+    mtp = sum(x.size for x in jax.tree.leaves(nnx.state(model.mtp))) if cfg.model.mtp_depth else 0
+    assert mtp == counts["mtp"]
+
+
+def test_moejax_plan_json_reports_the_accounting():
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "moejax.cli.plan", "--config", str(root / "configs/deepseek_v3_671b.py"),
+                           "--json"], capture_output=True, text=True, cwd=root, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    model = json.loads(proc.stdout)["model"]
+    assert round(model["params_total"] / 1e9, 1) == 671.0
+    assert round(model["flops_per_token"] / 1e9, 2) == 259.99
