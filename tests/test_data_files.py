@@ -127,7 +127,8 @@ def test_training_on_two_token_directories_mixed(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "moejax.train", "--config", str(ROOT / "configs/tiny.py"),
                            "--workdir", str(tmp_path / "run"), f"--config.data.corpus={corpus}",
                            "--config.train.steps=3", "--config.train.global_batch=8", "--config.train.seq_len=32",
-                           "--config.train.log_every=1", "--config.train.eval_every=3", "--config.model.n_layers=2"],
+                           "--config.train.log_every=1", "--config.train.eval_every=3", "--config.model.n_layers=2",
+                           "--config.model.d_model=64", "--config.model.head_dim=16", "--config.moe.d_ff_expert=32"],
                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

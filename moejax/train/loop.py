@@ -122,11 +122,11 @@ def train(cfg, workdir: Path, mesh_sizes: dict[str, int], sources=None) -> dict:
         return (step_done % t.log_every == 0 or step_done == t.steps or eval_due(step_done)
                 or schedule.fixed(step_done))
 
-    def guard(step_done, host):
-        """Counts skipped (non-finite) steps; stops the run after guards.max_bad_steps in a row."""
+    def guard(step_done, host) -> str | None:
+        """Counts skipped (non-finite) steps; after guards.max_bad_steps in a row, says why the run stops."""
         if not host.pop("skipped", 0.0):
             bad["run"] = 0
-            return
+            return None
         bad["run"] += 1
         bad["total"] += 1
         if bad["run"] == 1:
@@ -135,21 +135,26 @@ def train(cfg, workdir: Path, mesh_sizes: dict[str, int], sources=None) -> dict:
               f"update was skipped ({bad['run']} in a row, {bad['total']} in this run)", file=sys.stderr, flush=True)
         if bad["run"] >= g.max_bad_steps:
             kept = checkpointer.latest_step()
-            raise NonFiniteLoss(
+            return (
                 f"{bad['run']} consecutive steps ({bad['first']}-{step_done}) had a non-finite loss or gradient "
                 f"(guards.max_bad_steps={g.max_bad_steps}); no update was applied and nothing was saved after "
                 + (f"checkpoint step {kept}, which is intact" if kept else "the start (there is no checkpoint)"))
+        return None
 
     def finish(step_done, device_metrics, state_now=None):
         """Reads step_done's metrics (blocking until it is complete); logs it if it closes a window.
         state_now is the state after step_done, given when nothing newer has been dispatched."""
-        nonlocal last
         host = M.to_host(device_metrics)
         watchdog.beat(f"step {step_done} finished")
-        guard(step_done, host)
+        stop = guard(step_done, host)
         host["skipped_steps"] = bad["total"]
-        if not closes_window(step_done):
-            return
+        if closes_window(step_done):
+            log(step_done, host, state_now)
+        if stop:
+            raise NonFiniteLoss(stop)
+
+    def log(step_done, host, state_now):
+        nonlocal last
         now = time.perf_counter()
         step_time = (now - window["time"] - window["excluded"]) / max(1, step_done - window["step"])
         window.update(time=now, step=step_done, excluded=0.0)
