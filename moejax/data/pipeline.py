@@ -73,11 +73,12 @@ def train_batches(sources, *, seq_len: int, global_batch: int, steps: int, seed:
 def eval_batches(sources, *, seq_len: int, global_batch: int, n_batches: int, vocab_size: int,
                  process_index: int = 0, process_count: int = 1) -> list[dict]:
     """The same first n held-out batches every time (no shuffle), so eval losses compare across steps."""
-    parts = [grain.MapDataset.source(PackedWindows(s.eval, seq_len, name=f"{s.name} (eval split)"))
-             for s in sources if s.eval and any(len(x.tokens) > seq_len for x in s.eval)]
-    if not parts:
+    # Sources whose eval split is too short for one row simply do not take part.
+    with_eval = [s for s in sources if any(len(x.tokens) > seq_len for x in s.eval)]
+    if not with_eval:
         return []
-    mixed = _mixed(parts, [s.weight for s in sources if s.eval and any(len(x.tokens) > seq_len for x in s.eval)])
+    parts = [grain.MapDataset.source(PackedWindows(s.eval, seq_len, name=f"{s.name} (eval split)")) for s in with_eval]
+    mixed = _mixed(parts, [s.weight for s in with_eval])
     batches = ProcessSlice(mixed, global_batch, process_index, process_count, vocab_size)
     return [batches[i] for i in range(min(n_batches, len(batches)))]
 
