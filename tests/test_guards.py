@@ -15,23 +15,23 @@ def records(workdir):
 
 def test_nan_steps_are_skipped_counted_and_too_many_in_a_row_stop_the_run(tmp_path):
     workdir = tmp_path / "run"
-    # State steps 3 and 6-8 (logged as 4 and 7-9) get a NaN loss and gradient inside the jitted step.
-    proc = run(workdir, "--config.train.steps=12", "--config.guards.inject_nan_steps=3,6,7,8",
+    # State steps 3 and 11-13 (logged as 4 and 12-14) get a NaN loss and gradient inside the jitted step.
+    proc = run(workdir, "--config.train.steps=20", "--config.guards.inject_nan_steps=3,11,12,13",
                "--config.guards.max_bad_steps=3")
     assert proc.returncode == 3, proc.stderr[-3000:]
     by_step = {r["step"]: r for r in records(workdir)}
-    assert sorted(by_step) == list(range(1, 10))
-    assert [math.isnan(by_step[s]["loss"]) for s in range(1, 10)] == [s in (4, 7, 8, 9) for s in range(1, 10)]
-    assert [by_step[s]["skipped_steps"] for s in range(1, 10)] == [0, 0, 0, 1, 1, 1, 2, 3, 4]
+    assert sorted(by_step) == list(range(1, 15))
+    assert [s for s in by_step if math.isnan(by_step[s]["loss"])] == [4, 12, 13, 14]
+    assert [by_step[s]["skipped_steps"] for s in range(1, 15)] == [0] * 3 + [1] * 8 + [2, 3, 4]
     # One bad step is skipped and training goes on unpoisoned: the loss keeps falling.
-    assert by_step[6]["loss"] < by_step[3]["loss"] < by_step[1]["loss"]
+    assert by_step[11]["loss"] < by_step[3]["loss"] < by_step[1]["loss"]
     assert "step 4: loss nan" in proc.stderr and "the update was skipped (1 in a row, 1 in this run)" in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
-    assert "3 consecutive steps (7-9) had a non-finite loss or gradient" in last, last
-    assert "checkpoint step 5, which is intact" in last, last
+    assert "3 consecutive steps (12-14) had a non-finite loss or gradient" in last, last
+    assert "checkpoint step 10, which is intact" in last, last
     checkpoints = workdir / "checkpoints"
-    assert sorted(p.name for p in checkpoints.iterdir() if p.name.isdigit()) == ["5"]
-    assert (checkpoints / "5" / "commit_success.txt").exists() and not list(checkpoints.glob("*tmp*"))
+    assert sorted(p.name for p in checkpoints.iterdir() if p.name.isdigit()) == ["10"]
+    assert (checkpoints / "10" / "commit_success.txt").exists() and not list(checkpoints.glob("*tmp*"))
 
 
 WATCHDOG = """

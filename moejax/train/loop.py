@@ -92,7 +92,9 @@ def train(cfg, workdir: Path, mesh_sizes: dict[str, int], sources=None) -> dict:
     compile_start = time.perf_counter()
     with jax.set_mesh(mesh):
         step_fn = jit_train_step(cfg, graphdef, tx, mesh, shardings).lower(state, example).compile()
-        eval_fn = jit_eval_step(graphdef, mesh, shardings).lower(state, example).compile()
+        # Compiled only when it will run: a second compile is most of the start-up of a short run.
+        eval_fn = (jit_eval_step(graphdef, mesh, shardings).lower(state, example).compile()
+                   if held_out and t.eval_every > 0 else None)
     compile_s = time.perf_counter() - compile_start
 
     peak, peak_source = M.peak_flops_per_device(cfg)
