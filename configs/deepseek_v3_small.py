@@ -4,11 +4,11 @@ layers, 1 shared + 32 fine-grained routed experts, top-4 of 8 groups limited to 
 scaling, aux-loss-free bias, sequence-wise aux loss, one MTP module) at small width.
 8 emulated devices as data=2 x expert=4."""
 
-from moejax.config import default_config
+from moejax.config import cpu_run, default_config
 
 
 def get_config():
-    c = default_config()
+    c = cpu_run(default_config(), steps=200)
     m, e = c.model, c.moe
     m.d_model = 128
     m.n_layers = 4
@@ -30,7 +30,6 @@ def get_config():
     m.max_seq_len = 512
     m.mtp_depth = 1
     m.mtp_loss_weight = 0.3
-    m.remat = "none"
     e.n_routed_experts = 32
     e.n_shared_experts = 1
     e.top_k = 4
@@ -39,16 +38,5 @@ def get_config():
     e.n_groups = 8
     e.topk_groups = 4
     e.routed_scaling = 2.5
-    e.capacity_factor = 1.25
     e.bias_update_rate = 3e-2  # a short run needs faster balancing than DeepSeek-V3's 1e-3
-    c.mesh.data = -1
-    c.mesh.expert = 4
-    c.train.steps = 200
-    c.train.global_batch = 16
-    c.train.seq_len = 128
-    c.train.log_every = 10
-    c.train.eval_every = 50
-    c.train.expert_load_every = 10
-    c.optim.lr = 4e-3
-    c.optim.warmup_steps = 20
     return c

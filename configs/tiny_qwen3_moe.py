@@ -2,11 +2,11 @@
 top-4 with softmax routing and normalised weights, no shared experts, no dense layers, a batch-wise
 auxiliary balance loss. 8 emulated devices as data=2 x expert=4."""
 
-from moejax.config import default_config
+from moejax.config import cpu_run, default_config
 
 
 def get_config():
-    c = default_config()
+    c = cpu_run(default_config(), steps=200)
     m, e = c.model, c.moe
     m.d_model = 128
     m.n_layers = 4
@@ -17,25 +17,13 @@ def get_config():
     m.head_dim = 32
     m.qk_norm = True
     m.rope_theta = 1e6
-    m.remat = "none"
     e.n_routed_experts = 32
     e.n_shared_experts = 0
     e.top_k = 4
     e.d_ff_expert = 64
     e.score_func = "softmax"
     e.norm_topk_prob = True
-    e.capacity_factor = 1.25
     e.bias_update_rate = 0.0
     e.seq_aux_loss_coef = 0.0
     e.batch_aux_loss_coef = 1e-3
-    c.mesh.data = -1
-    c.mesh.expert = 4
-    c.train.steps = 200
-    c.train.global_batch = 16
-    c.train.seq_len = 128
-    c.train.log_every = 10
-    c.train.eval_every = 50
-    c.train.expert_load_every = 10
-    c.optim.lr = 4e-3
-    c.optim.warmup_steps = 20
     return c

@@ -145,6 +145,18 @@ def default_config() -> ml_collections.ConfigDict:
     return c
 
 
+def cpu_run(c: ml_collections.ConfigDict, *, steps: int) -> ml_collections.ConfigDict:
+    """The run settings every CPU-size config shares: 8 emulated devices as data x expert=4, 16 x 128-token
+    batches, logging every 10 steps, a short warmup and a higher learning rate for a few hundred steps."""
+    c.mesh.data, c.mesh.expert = -1, 4
+    c.train.steps, c.train.global_batch, c.train.seq_len = steps, 16, 128
+    c.train.log_every, c.train.expert_load_every, c.train.eval_every = 10, 10, 50
+    c.optim.lr, c.optim.warmup_steps = 4e-3, 20
+    c.model.remat = "none"
+    c.moe.capacity_factor = 1.25
+    return c
+
+
 def resolve_mesh_shape(mesh_cfg, n_devices: int) -> dict[str, int]:
     """Sizes of every mesh axis, with the single -1 axis filled in."""
     sizes = {a: int(mesh_cfg[a]) for a in MESH_AXES}
