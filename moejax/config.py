@@ -8,6 +8,7 @@ exit code 2 without touching the workdir.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import ml_collections
 
@@ -122,6 +123,7 @@ def default_config() -> ml_collections.ConfigDict:
     ck.every_minutes = 0.0  # also save when this much wall time passed since the last save; 0: off
     ck.keep = 2  # the latest K checkpoints are kept...
     ck.keep_every_steps = 0  # ...plus, permanently, every one whose step is a multiple of this; 0: none
+    ck.init_from = ""  # a weights directory (moejax-convert import) to start step 0 from; "": random init
 
     c.data = d = ml_collections.ConfigDict()
     # 'stdlib': the Python standard library's own sources, found at run time; or 'DIR[:WEIGHT],...':
@@ -290,6 +292,9 @@ def _validate_data_and_run_guards(cfg):
                     ("checkpoint.keep_every_steps", ck.keep_every_steps), ("guards.step_timeout_s", g.step_timeout_s)):
         if v < 0:
             raise ConfigError(f"{name}={v} must be >= 0 (0 turns it off)")
+    if ck.init_from and not (Path(ck.init_from) / "weights").is_dir():
+        raise ConfigError(f"checkpoint.init_from={ck.init_from!r} is not a weights directory (moejax-convert import "
+                          "writes one: config.json + weights/)")
     if ck.keep < 1:
         raise ConfigError(f"checkpoint.keep={ck.keep} must be at least 1")
     if g.max_bad_steps < 1:

@@ -27,6 +27,7 @@ from moejax.config import ConfigError
 from moejax.interop.hf_config import from_hf_config, to_hf_config
 from moejax.interop.hf_names import Link, Piece, hf_links, known_duplicates, zero_initialised
 from moejax.interop.safetensors_io import CheckpointFormatError, SafetensorsDir, ShardedWriter
+from moejax.model.transformer import Transformer
 
 STACKED_ROOTS = ("dense_layers", "moe_layers")
 
@@ -154,11 +155,9 @@ def _checked_table(files: SafetensorsDir, cfg, abstract_model):
 
 def check_hf_dir(hf_dir, base_config=None):
     """The moejax config of an HF directory, after checking every tensor name and shape (headers only)."""
-    from moejax.train.state import create_model  # noqa: PLC0415
-
     files = SafetensorsDir(hf_dir)
     cfg = without_absent_mtp(from_hf_config(read_hf_config(hf_dir), base_config), files.names())
-    _checked_table(files, cfg, nnx.eval_shape(lambda: create_model(cfg, 0)))
+    _checked_table(files, cfg, nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
     return cfg, files
 
 
@@ -209,11 +208,9 @@ def without_absent_mtp(cfg, names: set[str]):
 
 def load_hf(hf_dir, *, base_config=None, shardings=None):
     """(model, cfg): the moejax model of an HF checkpoint directory, weights loaded (see load_hf_state)."""
-    from moejax.train.state import create_model  # noqa: PLC0415 (train builds on model, not the reverse)
-
     cfg = from_hf_config(read_hf_config(hf_dir), base_config)
     cfg = without_absent_mtp(cfg, SafetensorsDir(hf_dir).names())
-    abstract = nnx.eval_shape(lambda: create_model(cfg, 0))
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     graphdef, params, rest = load_hf_state(hf_dir, cfg, abstract, shardings)
     return nnx.merge(graphdef, params, rest), cfg
 

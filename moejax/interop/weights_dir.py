@@ -35,7 +35,26 @@ def save_weights(directory, cfg, params: nnx.State, model_state: nnx.State):
         ckptr.save(partial, tree)
         ckptr.wait_until_finished()
     (directory / "config.json").write_text(cfg.to_json(indent=2, sort_keys=True))
+    (directory / "train_config.py").write_text(TRAIN_CONFIG)
     partial.rename(directory / WEIGHTS)
+
+
+# Written next to the weights so that `moejax-train --config DIR/train_config.py` continues from them.
+TRAIN_CONFIG = '''"""Continue training from the weights in this directory (written by moejax-convert import).
+Override any field on the command line, e.g. --config.mesh.expert=8 --config.train.steps=1000."""
+
+import json
+from pathlib import Path
+
+import ml_collections
+
+
+def get_config():
+    here = Path(__file__).resolve().parent
+    c = ml_collections.ConfigDict(json.loads((here / "config.json").read_text()))
+    c.checkpoint.init_from = str(here)
+    return c
+'''
 
 
 def read_config(directory) -> ml_collections.ConfigDict:

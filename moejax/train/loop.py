@@ -23,12 +23,12 @@ import numpy as np
 from moejax.data.pipeline import BatchIterator, eval_batches, train_batches
 from moejax.data.sources import data_fingerprint, open_sources
 from moejax.model.accounting import flops_per_token, param_counts
-from moejax.parallel.mesh import batch_sharding, make_mesh
+from moejax.parallel.mesh import batch_sharding, mesh_from_config
 from moejax.train import metrics as M
 from moejax.train.checkpoint import Checkpointer, CheckpointError
 from moejax.train.preemption import SaveSchedule, StopSignals
 from moejax.train.optim import make_optimizer
-from moejax.train.state import abstract_state, init_state, model_graphdef, state_shardings
+from moejax.train.state import abstract_state, init_state, init_state_from_weights, model_graphdef, state_shardings
 from moejax.train.step import jit_eval_step, jit_train_step
 from moejax.train.watchdog import Watchdog
 
@@ -54,7 +54,7 @@ def train(cfg, workdir: Path, mesh_sizes: dict[str, int], sources=None) -> dict:
     `sources`: the opened data.corpus (moejax.data.sources.open_sources), when the caller already checked it."""
     workdir = Path(workdir)
     is_main = jax.process_index() == 0
-    mesh = make_mesh(mesh_sizes)
+    mesh = mesh_from_config(cfg, mesh_sizes)
     t, g = cfg.train, cfg.guards
     n_devices = jax.device_count()
 
@@ -82,6 +82,8 @@ def train(cfg, workdir: Path, mesh_sizes: dict[str, int], sources=None) -> dict:
             raise CheckpointError(f"the data changed since checkpoint {start} was saved ({meta['data']['fingerprint']}"
                                   f" then, {fingerprint} now); a resumed run must read the same data")
         next_batch, skipped_total = int(meta["data"]["next_batch"]), int(meta["skipped_steps"])
+    elif cfg.checkpoint.init_from:  # continue from released (imported) weights
+        state, shardings = init_state_from_weights(cfg, tx, mesh, cfg.checkpoint.init_from)
     else:
         state, shardings = init_state(cfg, tx, mesh, cfg.seed)
     if is_main:  # only now: a run refused above (broken checkpoint, changed data) leaves config.json alone

@@ -72,3 +72,46 @@ def init_state(cfg, tx, mesh: Mesh, seed: int) -> tuple[TrainState, object]:
     create = jax.jit(functools.partial(_create_state, cfg, tx), static_argnums=0, out_shardings=shardings)
     with jax.set_mesh(mesh):
         return create(seed), shardings
+
+
+# Model fields that change what a set of weights computes; runtime choices (dtype, remat, dispatch) may differ.
+_RUNTIME_MODEL_FIELDS = {"dtype", "param_dtype", "remat", "init_std", "max_seq_len", "mtp_loss_weight"}
+_ROUTING_FIELDS = ("n_routed_experts", "n_shared_experts", "top_k", "d_ff_expert", "score_func", "n_groups",
+                   "topk_groups", "routed_scaling", "norm_topk_prob")
+
+
+def weights_mismatch(saved_cfg, cfg) -> list[str]:
+    """The model/router fields in which a weights directory's config and the run's config differ."""
+    out = []
+    saved, now = saved_cfg.model.to_dict(), cfg.model.to_dict()
+    for key, value in saved.items():
+        if key not in _RUNTIME_MODEL_FIELDS and value != now.get(key):
+            out.append(f"model.{key} is {value!r} in the weights, {now.get(key)!r} in the config")
+    for key in _ROUTING_FIELDS:
+        if saved_cfg.moe.get(key) != cfg.moe.get(key):
+            out.append(f"moe.{key} is {saved_cfg.moe.get(key)!r} in the weights, {cfg.moe.get(key)!r} in the config")
+    return out
+
+
+def init_state_from_weights(cfg, tx, mesh: Mesh, directory) -> tuple[TrainState, object]:
+    """Step 0 of a run that starts from a weights directory (`moejax-convert import`): parameters and
+    router bias restored straight onto the mesh (resharded by orbax), a fresh optimizer state."""
+    from moejax.interop.safetensors_io import CheckpointFormatError  # noqa: PLC0415
+    from moejax.interop.weights_dir import load_weights, read_config  # noqa: PLC0415
+    from moejax.train.checkpoint import CheckpointError  # noqa: PLC0415
+
+    try:
+        mismatch = weights_mismatch(read_config(directory), cfg)
+        if mismatch:
+            raise CheckpointError(f"checkpoint.init_from={directory}: {mismatch[0]}"
+                                  + (f" (and {len(mismatch) - 1} more)" if len(mismatch) > 1 else ""))
+        abstract = abstract_state(cfg, tx)
+        shardings = state_shardings(abstract, mesh)
+        params, model_state = load_weights(directory, abstract.params, abstract.model_state,
+                                           (shardings.params, shardings.model_state))
+    except CheckpointFormatError as e:
+        raise CheckpointError(f"checkpoint.init_from: {e}") from None
+    with jax.set_mesh(mesh):
+        opt_state = jax.jit(tx.init, out_shardings=shardings.opt_state)(params)
+    step = jax.device_put(jnp.zeros((), jnp.int32), shardings.step)
+    return TrainState(step=step, params=params, model_state=model_state, opt_state=opt_state), shardings
