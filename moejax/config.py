@@ -102,6 +102,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.train = t = ml_collections.ConfigDict()
     t.steps = 1000
     t.global_batch = 32
+    t.micro_batches = 1  # gradient accumulation: each step runs global_batch / micro_batches rows at a time
     t.seq_len = 256
     t.log_every = 10
     t.eval_every = 100
@@ -264,6 +265,11 @@ def validate(cfg, n_devices: int) -> dict[str, int]:
         raise ConfigError(
             f"train.global_batch={t.global_batch} is not divisible by the batch-parallel size "
             f"data*fsdp*expert={batch_shards}"
+        )
+    if t.micro_batches < 1 or t.global_batch % (batch_shards * t.micro_batches):
+        raise ConfigError(
+            f"train.micro_batches={t.micro_batches} must be >= 1 and divide the per-device batch: "
+            f"train.global_batch={t.global_batch} / batch-parallel size {batch_shards}"
         )
     if t.seq_len > m.max_seq_len:
         raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")

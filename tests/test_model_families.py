@@ -130,13 +130,13 @@ def test_deepseek_v3_small_trains_with_mla_and_mtp(tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     proc = subprocess.run(
         [sys.executable, "-m", "moejax.train", "--config", str(ROOT / "configs/deepseek_v3_small.py"),
-         "--workdir", str(tmp_path / "run"), "--config.train.steps=24", "--config.train.log_every=6",
-         "--config.train.eval_every=0", "--config.train.seq_len=64", "--config.train.global_batch=8",
+         "--workdir", str(tmp_path / "run"), "--config.train.steps=16", "--config.train.log_every=4",
+         "--config.train.eval_every=0", "--config.train.seq_len=32", "--config.train.global_batch=8",
          "--config.model.n_layers=2", "--config.data.max_bytes=1000000", "--config.optim.warmup_steps=4"],
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [6, 12, 18, 24]
+    assert [r["step"] for r in records] == [4, 8, 12, 16]
     assert records[-1]["loss"] < records[0]["loss"] - 0.3, [r["loss"] for r in records]
     assert records[-1]["mtp_loss"] < records[0]["mtp_loss"]
     assert len(records[-1]["expert_imbalance_per_layer"]) == 1 + 1  # 1 MoE layer + the MTP module's

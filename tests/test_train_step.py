@@ -57,3 +57,23 @@ def test_step_on_data2_expert4_equals_single_device(devices):
     bias_1 = model_state_1["moe_layers"]["ffn"]["router"]["bias_E"]
     np.testing.assert_array_equal(model_state_8["moe_layers"]["ffn"]["router"]["bias_E"], bias_1)
     assert np.abs(bias_1).max() > 0
+
+
+def test_gradient_accumulation_equals_the_full_batch(devices):
+    """train.micro_batches=2 on data=2 x expert=4: the same loss, gradient norm, parameters and bias as one pass."""
+    tokens = np.random.default_rng(6).integers(0, 259, size=(16, 17), dtype=np.int32)
+    runs = {}
+    for micro in (1, 2):
+        cfg = small_config()
+        cfg.train.global_batch = 16
+        cfg.mesh.data, cfg.mesh.expert = 2, 4
+        cfg.train.micro_batches = micro
+        runs[micro] = one_step(cfg, devices, tokens)
+    (p1, s1, m1), (p2, s2, m2) = runs[1], runs[2]
+    for key in ("loss", "grad_norm", "aux_loss"):
+        np.testing.assert_allclose(m2[key], m1[key], rtol=1e-5, err_msg=key)
+    np.testing.assert_array_equal(m2["tokens_per_expert"], m1["tokens_per_expert"])
+    flat_1 = dict(jax.tree_util.tree_leaves_with_path(p1))
+    for path, p in jax.tree_util.tree_leaves_with_path(p2):
+        np.testing.assert_allclose(p, flat_1[path], rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+    np.testing.assert_array_equal(s2["moe_layers"]["ffn"]["router"]["bias_E"], s1["moe_layers"]["ffn"]["router"]["bias_E"])

@@ -141,8 +141,8 @@ def assumptions(topo: Topology, efficiency: float, domain_size: int) -> list[str
         "memory: the train state at its sharded size (params and AdamW moments in model.param_dtype), one gradient "
         "tree, one clipped-gradient copy, the residuals the remat policy saves for one micro-batch, and the "
         "largest layer's gathered weights and unreduced gradients; no allocator fragmentation or NCCL buffers",
-        "micro-batch below the per-device batch assumes gradient accumulation (moejax's step runs one pass: "
-        "such layouts are what the planner would run, not what train_step compiles today)",
+        "micro-batch below the per-device batch means gradient accumulation: run it with "
+        "train.micro_batches = per-device batch / micro-batch (each pass re-gathers fsdp weights)",
         "not modelled: pipeline parallelism, FP8 GEMMs, communication/computation overlap inside the MoE layer "
         "(DualPipe-style), load imbalance across experts, stragglers",
     ]

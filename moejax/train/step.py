@@ -49,16 +49,50 @@ def _unpack(batch):
     return batch, None
 
 
+def _micro(x_BxL, n: int):
+    """[B, ...] -> [n, B/n, ...], micro-batch m = rows m, m + n, m + 2n, ...: with the batch dim split in contiguous
+    blocks over devices (and n dividing each block), every micro-batch keeps an equal share on every device, so
+    slicing one out moves no data."""
+    return None if x_BxL is None else x_BxL.reshape(x_BxL.shape[0] // n, n, *x_BxL.shape[1:]).swapaxes(0, 1)
+
+
+def _accumulate(grad_fn, state, graphdef, tokens_BxL1, segments_BxL1, mtp_weight, n: int):
+    """Gradient accumulation over n micro-batches (lax.scan): losses and gradients averaged, expert loads
+    summed (the bias update sees the whole step's load), other MoE statistics averaged."""
+
+    def body(grad_sum, xs):
+        tokens, segments = xs
+        (loss, (ce, stats, parts)), (grads, _) = grad_fn(state.params, state.model_state, graphdef, tokens,
+                                                         segments, mtp_weight)
+        return jax.tree.map(jnp.add, grad_sum, grads), (loss, ce, stats, parts)
+
+    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    grads, (loss, ce, stats, parts) = jax.lax.scan(body, zeros, (_micro(tokens_BxL1, n), _micro(segments_BxL1, n)))
+    grads = jax.tree.map(lambda g: g / n, grads)
+    if stats is not None:
+        stats = stats._replace(**{k: jnp.mean(v, axis=0) for k, v in stats._asdict().items()
+                                  if k not in ("tokens_per_expert_E", "dropped", "assignments")},
+                               tokens_per_expert_E=jnp.sum(stats.tokens_per_expert_E, axis=0),
+                               dropped=jnp.sum(stats.dropped, axis=0), assignments=jnp.sum(stats.assignments, axis=0))
+    parts = jax.tree.map(lambda v: jnp.mean(v, axis=0), parts._replace(stats=None))
+    return jnp.mean(loss), jnp.mean(ce), stats, parts, grads
+
+
 def train_step(state: TrainState, batch: dict, *, graphdef, tx, schedule, bias_rate: float,
-               mtp_weight: float = 0.0, nan_steps: tuple[int, ...] = ()):
+               mtp_weight: float = 0.0, nan_steps: tuple[int, ...] = (), micro_batches: int = 1):
     """One optimizer step on batch {"tokens", "segment_ids"} ([B, L + 1] int32; or just the tokens). A step whose loss or
     gradient is not finite changes nothing but the step counter (its batch is skipped) and reports
     skipped=1, so one bad batch cannot poison the parameters or the Adam moments."""
     # Differentiate w.r.t. model_state too (its gradient is zero, the bias is stop_gradient'ed): nnx needs
     # every variable of one module at the same trace level.
     grad_fn = jax.value_and_grad(_loss, argnums=(0, 1), has_aux=True)
-    (loss, (ce, stats, parts)), (grads, _) = grad_fn(state.params, state.model_state, graphdef, *_unpack(batch),
-                                                     mtp_weight)
+    tokens, segments = _unpack(batch)
+    if micro_batches == 1:
+        (loss, (ce, stats, parts)), (grads, _) = grad_fn(state.params, state.model_state, graphdef, tokens,
+                                                         segments, mtp_weight)
+    else:
+        loss, ce, stats, parts, grads = _accumulate(grad_fn, state, graphdef, tokens, segments, mtp_weight,
+                                                    micro_batches)
     if nan_steps:  # guards.inject_nan_steps: poison these steps' loss and gradient (tests the guard end to end)
         poison = jnp.where(jnp.isin(state.step, jnp.asarray(nan_steps, jnp.int32)), jnp.nan, 1.0)
         loss, ce = loss * poison, ce * poison
@@ -100,7 +134,8 @@ def jit_train_step(cfg, graphdef, tx, mesh: Mesh, shardings):
     """jax.jit of the train step with the state donated and every in/out sharding explicit."""
     fn = functools.partial(train_step, graphdef=graphdef, tx=tx, schedule=lr_schedule(cfg),
                            bias_rate=float(cfg.moe.bias_update_rate), mtp_weight=float(cfg.model.mtp_loss_weight),
-                           nan_steps=parse_steps(cfg.guards.inject_nan_steps))
+                           nan_steps=parse_steps(cfg.guards.inject_nan_steps),
+                           micro_batches=int(cfg.train.micro_batches))
     return jax.jit(fn, in_shardings=(shardings, batch_sharding(mesh)),
                    out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=0)
 
