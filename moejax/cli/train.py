@@ -101,6 +101,13 @@ def main(argv=None) -> int:
         check_resumable(workdir, cfg.to_json_best_effort(sort_keys=True))
     except (DataError, CheckpointError) as e:
         return _usage_error(str(e))
+    if jax.process_count() > 1:
+        # Every process has inspected WORKDIR/checkpoints before any creates it: otherwise a late process finds
+        # the directory process 0 just made and enters orbax's barriers of a read-only manager while process 0
+        # waits in the create barrier (a mismatched-barrier crash seen under load).
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("moejax: workdir inspected")
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     for noisy in ("absl", "jax", "orbax", "grain"):
