@@ -104,7 +104,10 @@ def test_packed_documents_do_not_see_each_other(make_config):
     a, b = rng.integers(0, 259, size=(1, 7)), rng.integers(0, 259, size=(1, 9))
     packed = jnp.asarray(np.concatenate([a, b], axis=1))
     segments = jnp.asarray([[0] * 7 + [1] * 9])
-    forward = nnx.jit(lambda m, t, s: (m(t, s).logits_BxLxV, m(t, s).mtp_logits_DxBxLxV))
+    @nnx.jit
+    def forward(m, t, s):
+        out = m(t, s)
+        return out.logits_BxLxV, out.mtp_logits_DxBxLxV
     logits, mtp = forward(model, packed, segments)
     # Document b alone, at positions 0..8, gives the same logits as inside the packed row.
     alone, alone_mtp = forward(model, jnp.asarray(b), jnp.zeros_like(jnp.asarray(b)))

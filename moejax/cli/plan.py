@@ -13,6 +13,8 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
+from moejax.cli.config_flag import UsageError, parse_config
+
 FLAGS = flags.FlagValues()
 config_flags.DEFINE_config_file("config", None, "ml_collections config file, e.g. configs/deepseek_v3_671b.py",
                                 flag_values=FLAGS, lock_config=True)
@@ -58,19 +60,12 @@ def _table(report: dict) -> str:
 
 def main(argv=None) -> int:
     argv = list(sys.argv if argv is None else argv)
-    if any(a in ("-h", "--help", "--helpshort") for a in argv[1:]):
-        print(__doc__.strip())
-        print(FLAGS.get_help())
-        return 0
     try:
-        FLAGS(argv)
-        cfg = FLAGS.config
-        if cfg is not None:
-            cfg.keys()
-    except Exception as e:
-        return _usage_error(str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
-    if cfg is None:
-        return _usage_error("--config is required, e.g. --config configs/deepseek_v3_671b.py")
+        cfg = parse_config(FLAGS, argv, __doc__, "configs/deepseek_v3_671b.py")
+    except UsageError as e:
+        return _usage_error(str(e))
+    if cfg is None:  # --help
+        return 0
 
     from moejax.config import ConfigError, validate
     from moejax.model.accounting import accounting_report

@@ -20,6 +20,8 @@ from pathlib import Path
 from absl import flags
 from ml_collections import config_flags
 
+from moejax.cli.config_flag import UsageError, parse_config
+
 FLAGS = flags.FlagValues()
 config_flags.DEFINE_config_file("config", None, "ml_collections config file, e.g. configs/tiny.py",
                                 flag_values=FLAGS, lock_config=True)
@@ -45,22 +47,12 @@ def _usage_error(message: str) -> int:
 
 def main(argv=None) -> int:
     argv = list(sys.argv if argv is None else argv)
-    if any(a in ("-h", "--help", "--helpshort") for a in argv[1:]):
-        print(__doc__.strip())
-        print(FLAGS.get_help())
+    try:
+        cfg = parse_config(FLAGS, argv, __doc__, "configs/tiny.py")
+    except UsageError as e:
+        return _usage_error(str(e))
+    if cfg is None:  # --help
         return 0
-    try:
-        FLAGS(argv)
-    except Exception as e:  # absl flag errors, config file import errors, bad overrides
-        return _usage_error(str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
-    try:
-        cfg = FLAGS.config  # a missing or broken file yields a stand-in that fails on first use
-        if cfg is not None:
-            cfg.keys()
-    except Exception as e:
-        return _usage_error(f"cannot load --config: {str(e).strip().splitlines()[-1].strip()}")
-    if cfg is None:
-        return _usage_error("--config is required, e.g. --config configs/tiny.py")
     if FLAGS.dry_run:
         return _dry_run(cfg)
     if not FLAGS.workdir:

@@ -13,7 +13,6 @@ which transformers 4.x and 5.x, vLLM and SGLang all read; `packed_experts=True` 
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -185,7 +184,7 @@ def load_hf_state(hf_dir, cfg, abstract_model, shardings=None):
         return variable.replace(arr)
 
     param_paths = set(_flat_variables(params))
-    filled = {path: make(path, v) for path, v in leaves.items()}
+    filled = {path: make(path, v) for path, v in leaves.items()}  # params and router bias
     params_out = nnx.from_flat_state({p: v for p, v in filled.items() if p in param_paths})
     rest_out = nnx.from_flat_state({p: v for p, v in filled.items() if p not in param_paths})
     return graphdef, params_out, rest_out
@@ -258,9 +257,3 @@ def save_hf(model, cfg, out_dir, *, packed_experts: bool = False, dtype: str = "
     (out / "config.json").write_text(json.dumps(hf_config, indent=2))
     return out
 
-
-def copy_tokenizer_files(src, dst):
-    """Tokenizer files travel with an export when the import source had them (data, never code)."""
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
-        if (Path(src) / name).is_file():
-            shutil.copy2(Path(src) / name, Path(dst) / name)

@@ -168,9 +168,9 @@ class Transformer(nnx.Module):
 
         mtp_logits, mtp_stats = [], []
         h_BxLxD = x_BxLxD
+        run = _remat(lambda mod, h, e, p, s: mod(h, e, p, s), self.remat)
         for k, module in enumerate(self.mtp, start=1):
             next_emb = self.embed(shift_left(tokens_BxL, k), self.dtype)
-            run = _remat(lambda mod, h, e, p, s: mod(h, e, p, s), self.remat)
             h_BxLxD, normed_BxLxD, s = run(module, h_BxLxD, next_emb, positions_BxL, segment_ids_BxL)
             mtp_logits.append(self.logits(normed_BxLxD))
             if s is not None:
