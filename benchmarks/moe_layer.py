@@ -22,7 +22,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from moejax.parallel.dispatch import routed_experts  # noqa: E402
-from moejax.parallel.hlo_stats import collective_bytes  # noqa: E402
+from moejax.parallel.hlo_collectives import collective_bytes  # noqa: E402
 from moejax.parallel.mesh import BATCH_AXES, EXPERT_AXIS, make_mesh  # noqa: E402
 
 

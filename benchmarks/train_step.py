@@ -23,10 +23,10 @@ import numpy as np  # noqa: E402
 from moejax.config import validate  # noqa: E402
 from moejax.model.accounting import flops_per_token  # noqa: E402
 from moejax.parallel.mesh import batch_sharding, make_mesh  # noqa: E402
-from moejax.train.metrics import peak_flops_per_device, throughput  # noqa: E402
-from moejax.train.optim import make_optimizer  # noqa: E402
-from moejax.train.state import init_state, model_graphdef  # noqa: E402
-from moejax.train.step import jit_train_step  # noqa: E402
+from moejax.training.metrics import peak_flops_per_device, throughput  # noqa: E402
+from moejax.program.optim import make_optimizer  # noqa: E402
+from moejax.program.state import init_state, model_graphdef  # noqa: E402
+from moejax.program.step import jit_train_step  # noqa: E402
 
 LAYOUTS = {  # name -> (data, fsdp, expert, tensor); -1 fills the rest
     "config": None,
@@ -69,7 +69,7 @@ def main():
     ap.add_argument("--json", default="benchmarks/results/train_step.json")
     args = ap.parse_args()
     base = runpy.run_path(args.config)["get_config"]()
-    peak, peak_source = peak_flops_per_device(base)
+    peak, peak_source = peak_flops_per_device(base.hardware.peak_tflops)
     rows = []
     for name in args.layouts.split(","):
         cfg = base.copy_and_resolve_references()

@@ -56,7 +56,7 @@ def test_param_counts_match_the_model():
     import jax
     from flax import nnx
 
-    from moejax.train.state import create_model
+    from moejax.program.state import create_model
 
     cfg = small_moe()
     model = nnx.eval_shape(lambda: create_model(cfg, 0))
@@ -98,7 +98,7 @@ def test_param_counts_match_every_family_model(name):
     import jax
     from flax import nnx
 
-    from moejax.train.state import create_model
+    from moejax.program.state import create_model
 
     cfg = _config_file(name)
     model = nnx.eval_shape(lambda: create_model(cfg, 0))

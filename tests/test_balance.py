@@ -5,9 +5,9 @@ import numpy as np
 
 from moejax.config import validate
 from moejax.parallel.mesh import batch_sharding, make_mesh
-from moejax.train.optim import make_optimizer
-from moejax.train.state import init_state, model_graphdef
-from moejax.train.step import jit_train_step
+from moejax.program.optim import make_optimizer
+from moejax.program.state import init_state, model_graphdef
+from moejax.program.step import jit_train_step
 from tests.test_train_step import small_config
 
 

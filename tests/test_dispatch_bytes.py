@@ -8,9 +8,9 @@ from flax import nnx
 from moejax.config import default_config
 from moejax.model.moe import MoE
 from moejax.parallel.dispatch import capacity_per_expert
-from moejax.parallel.hlo_stats import collective_bytes
+from moejax.parallel.hlo_collectives import collective_bytes
 from moejax.parallel.mesh import batch_sharding, make_mesh
-from moejax.train.state import state_shardings
+from moejax.program.state import state_shardings
 
 D, E, K, BATCH, SEQ = 32, 8, 2, 16, 8
 MESH = dict(data=2, fsdp=1, expert=4, tensor=1)

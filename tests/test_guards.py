@@ -36,7 +36,7 @@ def test_nan_steps_are_skipped_counted_and_too_many_in_a_row_stop_the_run(tmp_pa
 
 WATCHDOG = """
 import sys, time
-from moejax.train.watchdog import Watchdog
+from moejax.training.watchdog import Watchdog
 w = Watchdog(float(sys.argv[1]), poll_s=0.05).start()
 for i in range(int(sys.argv[2])):  # a loop that beats every 0.1 s for a while...
     time.sleep(0.1)

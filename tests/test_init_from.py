@@ -47,9 +47,9 @@ SHORT = ["--config.train.steps=1", "--config.train.global_batch=8", "--config.tr
 
 def test_training_starts_from_the_imported_weights(imported, tmp_path):
     from moejax.interop import load_hf
-    from moejax.train.checkpoint import Checkpointer
-    from moejax.train.optim import make_optimizer
-    from moejax.train.state import abstract_state, state_shardings
+    from moejax.training.checkpoint import Checkpointer
+    from moejax.program.optim import make_optimizer
+    from moejax.program.state import abstract_state, state_shardings
     from moejax.parallel.mesh import make_mesh
 
     hf_dir, weights = imported

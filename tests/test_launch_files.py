@@ -5,7 +5,7 @@ from pathlib import Path
 
 import yaml
 
-from moejax.train.distributed import detect_cluster
+from moejax.training.distributed import detect_cluster
 
 LAUNCH = Path(__file__).resolve().parents[1] / "launch"
 

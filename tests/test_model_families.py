@@ -17,7 +17,7 @@ from flax import nnx
 from moejax.config import default_config, validate
 from moejax.model.loss import lm_loss
 from moejax.parallel.mesh import batch_sharding, make_mesh
-from moejax.train.state import create_model, state_shardings
+from moejax.program.state import create_model, state_shardings
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,7 +10,7 @@ from moejax.config import default_config
 from moejax.model.moe import MoE
 from moejax.parallel.dispatch import capacity_per_expert
 from moejax.parallel.mesh import batch_sharding, make_mesh
-from moejax.train.state import state_shardings
+from moejax.program.state import state_shardings
 from tests.moe_reference import reference_moe, reference_routing
 
 D_MODEL, BATCH, SEQ = 32, 16, 8

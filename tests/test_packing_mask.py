@@ -8,7 +8,7 @@ from flax import nnx
 from configs.tiny import get_config
 from moejax.data.sources import open_sources
 from moejax.data.packing import PackedWindows
-from moejax.train.state import create_model
+from moejax.program.state import create_model
 
 
 def test_pipeline_rows_do_not_attend_across_documents():

@@ -30,7 +30,7 @@ def medium_config(data, fsdp, expert, tensor):
 @pytest.mark.parametrize("layout", [(2, 1, 4, 1), (1, 2, 4, 1), (2, 1, 2, 2)],
                          ids=["data2xexpert4", "fsdp2xexpert4", "data2xexpert2xtensor2"])
 def test_planner_agrees_with_the_compiled_step(devices, layout):
-    from moejax.train.dry_run import dry_run
+    from moejax.planner.dry_run import dry_run
 
     r = dry_run(medium_config(*layout), 8)
     xla, plan = r["xla"], r["plan"]

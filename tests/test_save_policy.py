@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from moejax.train.checkpoint import Checkpointer
-from moejax.train.preemption import SaveSchedule, StopSignals
+from moejax.training.checkpoint import Checkpointer
+from moejax.training.preemption import SaveSchedule, StopSignals
 
 
 def ckpt_cfg(**kw):

@@ -6,9 +6,9 @@ from flax import nnx
 
 from moejax.config import default_config, validate
 from moejax.parallel.mesh import batch_sharding, make_mesh
-from moejax.train.optim import make_optimizer
-from moejax.train.state import init_state, model_graphdef
-from moejax.train.step import jit_train_step
+from moejax.program.optim import make_optimizer
+from moejax.program.state import init_state, model_graphdef
+from moejax.program.step import jit_train_step
 
 
 def small_config():

@@ -76,7 +76,7 @@ def _export(args):
 
     from moejax.interop.hf_checkpoint import save_hf  # noqa: PLC0415
     from moejax.interop.weights_dir import load_weights, read_config  # noqa: PLC0415
-    from moejax.train.state import create_model  # noqa: PLC0415
+    from moejax.program.state import create_model  # noqa: PLC0415
 
     cfg = read_config(args.src)
     abstract = nnx.eval_shape(lambda: create_model(cfg, 0))

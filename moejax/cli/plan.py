@@ -14,6 +14,8 @@ from absl import flags
 from ml_collections import config_flags
 
 from moejax.cli.config_flag import UsageError, parse_config
+from moejax.errors import InputError
+from moejax.units import si_prefix
 
 FLAGS = flags.FlagValues()
 config_flags.DEFINE_config_file("config", None, "ml_collections config file, e.g. configs/deepseek_v3_671b.py",
@@ -41,11 +43,12 @@ def _usage_error(message: str) -> int:
 
 
 def _si(x: float, unit: str) -> str:
-    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(x) >= scale:
-            prefix = {"G": "B", "T": "T"}[prefix] if not unit and prefix in "GT" else prefix  # 671 B parameters
-            return f"{x / scale:.2f} {prefix}{unit}".rstrip()
-    return f"{x:.0f} {unit}".rstrip()
+    scaled, prefix = si_prefix(x)
+    if not prefix:
+        return f"{x:.0f} {unit}".rstrip()
+    if not unit and prefix == "G":
+        prefix = "B"  # 671 B parameters
+    return f"{scaled:.2f} {prefix}{unit}".rstrip()
 
 
 def _table(report: dict) -> str:
@@ -78,43 +81,33 @@ def main(argv=None) -> int:
     if FLAGS.topology or FLAGS.gpus:
         try:
             report["plan"] = _layouts(cfg)
-        except ValueError as e:  # TopologyError, bad --gpus/--remat/--dispatch lists
+        except InputError as e:  # unknown topology, bad --gpus/--remat/--dispatch lists
             return _usage_error(str(e))
     if FLAGS.json:
         print(json.dumps(report, indent=2))
     else:
         print(_table(report["model"]))
         if "plan" in report:
-            from moejax.plan.search import format_plan
+            from moejax.planner.search import format_plan
 
             print("\n" + format_plan(report["plan"]))
     return 0
 
 
 def _layouts(cfg) -> dict:
-    """--topology/--gpus: the ranked layouts (moejax/plan/search.py)."""
-    from moejax.config import DISPATCH_MODES, REMAT_POLICIES
-    from moejax.parallel.topology import get_topology
-    from moejax.plan.search import plan
+    """--topology/--gpus: the ranked layouts (moejax.plan)."""
+    from moejax import api
 
     if not (FLAGS.topology and FLAGS.gpus):
-        raise ValueError("--topology and --gpus go together, e.g. --topology gb300-nvl72 --gpus 256,512,1024")
-    topo = get_topology(FLAGS.topology)
+        raise InputError("--topology and --gpus go together, e.g. --topology gb300-nvl72 --gpus 256,512,1024")
     try:
         gpus = [int(g) for g in FLAGS.gpus.split(",") if g.strip()]
     except ValueError:
-        raise ValueError(f"--gpus={FLAGS.gpus!r} is not a comma-separated list of GPU counts") from None
-    if not gpus or min(gpus) <= 0:
-        raise ValueError(f"--gpus={FLAGS.gpus!r}: GPU counts must be positive")
-    if not 0 < FLAGS.efficiency <= 1:
-        raise ValueError(f"--efficiency={FLAGS.efficiency} must lie in (0, 1]")
+        raise InputError(f"--gpus={FLAGS.gpus!r} is not a comma-separated list of GPU counts") from None
     remats = tuple(r.strip() for r in FLAGS.remat.split(",") if r.strip())
     dispatches = tuple(d.strip() for d in FLAGS.dispatch.split(",")) if FLAGS.dispatch else None
-    for name, values, allowed in (("--remat", remats, REMAT_POLICIES), ("--dispatch", dispatches or (), DISPATCH_MODES)):
-        if bad := [v for v in values if v not in allowed]:
-            raise ValueError(f"{name}: {bad[0]!r} is not one of {', '.join(allowed)}")
-    return plan(cfg, topo, gpus, efficiency=FLAGS.efficiency, domain_size=FLAGS.domain_size, remats=remats,
-                dispatches=dispatches, top=FLAGS.top)
+    return api.plan(cfg, topology=FLAGS.topology, gpus=gpus, efficiency=FLAGS.efficiency,
+                    domain_size=FLAGS.domain_size, remats=remats, dispatches=dispatches, top=FLAGS.top)
 
 
 def _fixed(mesh_cfg) -> int:

@@ -58,57 +58,27 @@ def main(argv=None) -> int:
     if not FLAGS.workdir:
         return _usage_error("--workdir is required")
 
-    import jax  # after flag parsing: --help and usage errors stay fast
+    from moejax import api
+    from moejax.errors import InputError
+    from moejax.training.distributed import DistributedError
+    from moejax.training.loop import NonFiniteLoss, Stopped
 
-    from moejax.config import ConfigError, validate
-    from moejax.train import distributed
-
-    try:
-        distributed.initialize(FLAGS.coordinator, FLAGS.num_processes, FLAGS.process_id, FLAGS.init_timeout)
-    except distributed.DistributedError as e:
+    try:  # bad config, data or WORKDIR: exit 2 before anything is compiled or written
+        run = api.prepare_training(cfg, FLAGS.workdir, coordinator=FLAGS.coordinator,
+                                   num_processes=FLAGS.num_processes, process_id=FLAGS.process_id,
+                                   init_timeout=FLAGS.init_timeout)
+    except InputError as e:
+        return _usage_error(str(e))
+    except DistributedError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 4
-    try:
-        mesh_sizes = validate(cfg, jax.device_count())
-    except ConfigError as e:
-        hint = ""
-        if jax.device_count() == 1 and jax.devices()[0].platform == "cpu":
-            hint = " (one CPU device: set XLA_FLAGS=--xla_force_host_platform_device_count=8 to emulate a mesh)"
-        return _usage_error(str(e) + hint)
-    workdir = Path(FLAGS.workdir)
-    if workdir.exists() and not workdir.is_dir():
-        return _usage_error(f"--workdir {workdir} exists and is not a directory")
-    try:
-        distributed.check_processes_agree(cfg.to_json_best_effort(sort_keys=True), FLAGS.init_timeout)
-    except distributed.DistributedError as e:
-        return _usage_error(str(e))
-
-    from moejax.data.shards import DataError
-    from moejax.data.sources import open_sources
-    from moejax.train.checkpoint import CheckpointError, check_resumable
-    from moejax.train.loop import NonFiniteLoss, Stopped, train
-
-    try:  # bad data or a WORKDIR holding another run: exit 2 before anything is compiled or written
-        sources = open_sources(cfg.data, vocab_size=cfg.model.vocab_size)
-        check_resumable(workdir, cfg.to_json_best_effort(sort_keys=True))
-    except (DataError, CheckpointError) as e:
-        return _usage_error(str(e))
-    if jax.process_count() > 1:
-        # Every process has inspected WORKDIR/checkpoints before any creates it: otherwise a late process finds
-        # the directory process 0 just made and enters orbax's barriers of a read-only manager while process 0
-        # waits in the create barrier (a mismatched-barrier crash seen under load).
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices("moejax: workdir inspected")
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     for noisy in ("absl", "jax", "orbax", "grain"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    if jax.process_index() == 0:
-        workdir.mkdir(parents=True, exist_ok=True)  # config.json is written once the checkpoint restored
     try:
-        train(cfg, workdir, mesh_sizes, sources)
-    except (DataError, CheckpointError) as e:  # found only once reading or restoring: still bad input
+        api.run_training(run)
+    except InputError as e:  # found only once reading or restoring: still bad input
         # A failed orbax restore can leave tensorstore reads in flight whose callbacks would print
         # tracebacks into a closed event loop at interpreter exit: say why on the real stderr and leave
         # without running them.
@@ -126,29 +96,18 @@ def main(argv=None) -> int:
 
 
 def _dry_run(cfg) -> int:
-    """--dry_run: emulate the mesh's devices on CPU (before jax is imported), compile, report."""
+    """--dry_run: emulate the mesh's devices on CPU (before jax starts), compile, report."""
     import json
-    import os
 
-    n = FLAGS.dry_run_devices
-    if n <= 0:
-        axes = [int(cfg.mesh[a]) for a in ("data", "fsdp", "expert", "tensor")]
-        if -1 in axes:
-            return _usage_error("--dry_run needs --dry_run_devices N when a mesh axis is -1")
-        n = 1
-        for s in axes:
-            n *= s
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}").strip()
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    from moejax.config import ConfigError
-    from moejax.parallel.device_grid import MeshLayoutError
-    from moejax.parallel.topology import TopologyError
-    from moejax.train.dry_run import dry_run, format_report
+    from moejax import api
+    from moejax.errors import InputError
 
     try:
-        report = dry_run(cfg, n)
-    except (ConfigError, MeshLayoutError, TopologyError) as e:
+        report = api.dry_run(cfg, FLAGS.dry_run_devices or None)
+    except InputError as e:
         return _usage_error(str(e))
+    from moejax.planner.dry_run import format_report
+
     print(format_report(report))
     if FLAGS.workdir:
         Path(FLAGS.workdir).mkdir(parents=True, exist_ok=True)

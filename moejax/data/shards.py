@@ -18,11 +18,13 @@ from pathlib import Path
 
 import numpy as np
 
+from moejax.errors import InputError
+
 FORMAT = "moejax-tokens/1"
 SPLITS = ("train", "eval")
 
 
-class DataError(ValueError):
+class DataError(InputError, ValueError):
     """Input data the run cannot use; the message names the file and what is wrong with it."""
 
 

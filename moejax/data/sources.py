@@ -83,9 +83,13 @@ def open_sources(data_cfg, *, vocab_size: int) -> list[Source]:
     return sources
 
 
-def check_corpus_paths(data_cfg):
-    """The cheap part of open_sources (paths and indexes exist and parse), for config validation."""
+def check_data_config(data_cfg, *, vocab_size: int):
+    """The cheap part of open_sources, for validation before anything compiles: data.corpus parses, its
+    directories and indexes exist, and the byte tokenizer's ids fit the model's vocabulary. (The token files
+    themselves are opened and checked against the vocabulary by open_sources.)"""
     for path, _ in parse_corpus(data_cfg.corpus):
+        if path == "stdlib" and vocab_size < BYTE_VOCAB:
+            raise DataError(f"model.vocab_size={vocab_size} is smaller than the byte tokenizer's {BYTE_VOCAB} ids")
         if path != "stdlib":
             read_index(Path(path))
 

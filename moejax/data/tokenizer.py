@@ -13,13 +13,14 @@ from pathlib import Path
 import numpy as np
 
 from moejax.data.corpus import BOS_ID, BYTE_VOCAB, EOS_ID
+from moejax.errors import InputError
 
 # Special-token spellings of common Hugging Face tokenizers, tried in order when none is named.
 _BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>", "<｜begin▁of▁sentence｜>")
 _EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<｜end▁of▁sentence｜>")
 
 
-class TokenizerError(ValueError):
+class TokenizerError(InputError, ValueError):
     """The tokenizer cannot be loaded or lacks what documents need (an end-of-document id)."""
 
 

@@ -14,6 +14,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from moejax.errors import InputError
+
 DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
     "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
@@ -23,7 +25,7 @@ NAMES = {np.dtype(v): k for k, v in DTYPES.items()}
 FP8_BLOCK = 128
 
 
-class CheckpointFormatError(ValueError):
+class CheckpointFormatError(InputError, ValueError):
     """A checkpoint file or directory that cannot be read as described; the message names the problem."""
 
 

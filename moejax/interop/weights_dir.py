@@ -57,6 +57,13 @@ def get_config():
 '''
 
 
+def check_weights_dir(directory):
+    """checkpoint.init_from names a weights directory (for validation before anything compiles)."""
+    if not (Path(directory) / "weights").is_dir():
+        raise CheckpointFormatError(f"checkpoint.init_from={str(directory)!r} is not a weights directory "
+                                    "(moejax-convert import writes one: config.json + weights/)")
+
+
 def read_config(directory) -> ml_collections.ConfigDict:
     path = Path(directory) / "config.json"
     if not path.is_file() or not (Path(directory) / WEIGHTS).is_dir():

@@ -14,10 +14,11 @@ import math
 
 import numpy as np
 
-MESH_AXES = ("data", "fsdp", "expert", "tensor")
+from moejax.config import MESH_AXES
+from moejax.errors import InputError
 
 
-class MeshLayoutError(ValueError):
+class MeshLayoutError(InputError, ValueError):
     """A mesh that cannot respect the NVLink domains; the message says why and what to change."""
 
 

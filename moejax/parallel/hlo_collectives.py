@@ -1,10 +1,15 @@
-"""Every collective of a compiled program, with its device groups and how often one step runs it.
+"""Every collective of a compiled program, read from its HLO text (`compiled.as_text()`): kind, buffer bytes,
+device groups, and how often one run of the program executes it. The one HLO collective parser of moejax.
 
-`hlo_stats.collective_bytes` sums the collectives as they appear in `compiled.as_text()`, so a scan body
-counts once. A training step's layers run inside while loops; this module walks the call graph from ENTRY,
-multiplies each computation by the known trip counts of the loops around it, and parses the replica groups
-(explicit lists, iota `[n,k]<=[dims]T(perm)` and the `mesh[...] {axes}` form) into device-id groups so that
-callers can say which link a collective crosses.
+GSPMD-inserted collectives exist only in the compiled text, not in the lowered StableHLO. Bytes are per
+device: the buffer each collective fills (all-to-all, all-gather: the result; reduce-scatter: its input, the
+result times the group size; all-reduce: the result). Async pairs are counted once, at their -start op.
+
+A training step's layers run inside while loops: `collectives` walks the call graph from ENTRY and multiplies
+each computation by the known trip counts of the loops around it (`bytes_per_step`), while
+`collective_bytes` counts each collective as it appears (a scan body once). Replica groups are parsed in
+every form XLA prints (explicit lists, iota `[n,k]<=[dims]T(perm)`, and jaxlib >= 0.12's
+`mesh['data'=2,...] {'expert'}`) into device-id groups, so callers can say which link a collective crosses.
 """
 
 from __future__ import annotations
@@ -15,8 +20,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moejax.parallel.hlo_stats import _OP, _bytes
-
+_DTYPE_BYTES = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2,
+                "u16": 2, "s8": 1, "u8": 1, "pred": 1, "f8e4m3fn": 1, "f8e5m2": 1}
+_KINDS = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute", "ragged-all-to-all")
+_OP = re.compile(r"=\s*(?P<result>\(.*?\)|\S+)\s+(?P<kind>" + "|".join(_KINDS) + r")(?:-start)?\(")
+_SHAPE = re.compile(r"(?P<dtype>[a-z0-9]+)\[(?P<dims>[0-9,]*)\]")
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
 _CALLEE = re.compile(r"\b(?P<how>body|condition|calls|to_apply)=%(?P<name>[\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{(?P<names>[^}]*)\}")
@@ -39,6 +47,18 @@ class Collective:
     groups: tuple[tuple[int, ...], ...]  # device ids that communicate together
     count: int  # executions per program run: the product of the enclosing loops' trip counts
     op_name: str  # jax's name for the op that produced it (metadata), for reports
+
+
+def _bytes(shapes: str) -> int:
+    total = 0
+    for m in _SHAPE.finditer(shapes):
+        if m["dtype"] not in _DTYPE_BYTES:
+            continue
+        n = 1
+        for d in filter(None, m["dims"].split(",")):
+            n *= int(d)
+        total += n * _DTYPE_BYTES[m["dtype"]]
+    return total
 
 
 def _ints(text: str) -> list[int]:
@@ -123,13 +143,15 @@ def _multiplicities(edges, entry) -> dict[str, int]:
 
 
 def collectives(hlo_text: str) -> list[Collective]:
-    """Every collective of the program with its groups and per-run execution count."""
+    """Every collective of the program with its groups and per-run execution count. Text without an ENTRY
+    computation (a few instructions, as a test or a tool may pass) counts each instruction once."""
     lines = hlo_text.splitlines()
     n_devices = int(m["n"]) if (m := _PARTITIONS.search(hlo_text)) else 1
     owner, edges, entry = _call_graph(lines)
     if entry is None:
-        raise ValueError("no ENTRY computation in the HLO text")
-    times = _multiplicities(edges, entry)
+        owner, times = ["fragment"] * len(lines), {"fragment": 1}
+    else:
+        times = _multiplicities(edges, entry)
     out = []
     for line, comp in zip(lines, owner):
         m = _OP.search(line)
@@ -149,4 +171,12 @@ def bytes_per_step(colls: list[Collective]) -> dict[str, int]:
     out: dict[str, int] = defaultdict(int)
     for c in colls:
         out[c.kind] += c.bytes * c.count
+    return dict(out)
+
+
+def collective_bytes(hlo_text: str) -> dict[str, int]:
+    """{kind: bytes per device} with each collective counted once as it appears (a scan body once)."""
+    out: dict[str, int] = defaultdict(int)
+    for c in collectives(hlo_text):
+        out[c.kind] += c.bytes
     return dict(out)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moejax.errors import InputError
+
 GB = 1e9
 
 
@@ -49,8 +51,14 @@ TOPOLOGIES: dict[str, Topology] = {t.name: t for t in (
 )}
 
 
-class TopologyError(ValueError):
+class TopologyError(InputError, ValueError):
     """An unknown topology name, or devices that do not fit the topology; the message says what to change."""
+
+
+def check_topology_name(name: str):
+    """mesh.topology is 'auto' or a known topology (for validation before anything compiles)."""
+    if name != "auto" and name not in TOPOLOGIES:
+        raise TopologyError(f"mesh.topology={name!r} is not one of {', '.join(map(repr, ('auto', *TOPOLOGIES)))}")
 
 
 def get_topology(name: str) -> Topology:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from moejax.parallel.topology import Topology
-from moejax.plan.predict import assumptions, domain_size_for, enumerate_layouts, predict, rank
+from moejax.planner.predict import assumptions, domain_size_for, enumerate_layouts, predict, rank
 
 
 def plan(cfg, topo: Topology, gpu_counts: list[int], *, efficiency: float, domain_size: int = 0,

@@ -17,13 +17,13 @@ from moejax.model.accounting import flops_per_token
 from moejax.parallel.hlo_collectives import collectives
 from moejax.parallel.mesh import batch_sharding, make_mesh
 from moejax.parallel.topology import TOPOLOGIES, get_topology
-from moejax.plan.comm import buffer_bytes_by_link, step_traffic
-from moejax.plan.layout import Layout
-from moejax.plan.memory import estimate_memory
-from moejax.plan.predict import domain_size_for
-from moejax.train.optim import make_optimizer
-from moejax.train.state import abstract_state, model_graphdef, state_shardings
-from moejax.train.step import jit_train_step
+from moejax.planner.comm import buffer_bytes_by_link, step_traffic
+from moejax.planner.layout import Layout
+from moejax.planner.memory import estimate_memory
+from moejax.planner.predict import domain_size_for
+from moejax.program.optim import make_optimizer
+from moejax.program.state import abstract_state, model_graphdef, state_shardings
+from moejax.program.step import jit_train_step
 
 
 def dry_run(cfg, n_devices: int) -> dict:

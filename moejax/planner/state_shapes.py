@@ -1,19 +1,23 @@
 """The train state's leaves as data (shape, dtype, logical axes), from an abstract model: nothing allocated.
 
-Parameter shapes come from `nnx.eval_shape` of the real model (train/state.py), so the planner follows
+Parameter shapes come from `nnx.eval_shape` of the real model (program/state.py), so the planner follows
 whatever attention or FFN the config builds (MHA, GQA, MLA, MTP) instead of re-deriving formulas.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import math
 from dataclasses import dataclass
 
 import jax
+import ml_collections
 from flax import nnx
 
 from moejax.parallel.mesh import LOGICAL_RULES
+from moejax.program.optim import make_optimizer
+from moejax.program.state import abstract_state
 
 
 @dataclass(frozen=True)
@@ -64,12 +68,7 @@ def _leaves(tree) -> list[Leaf]:
 
 @functools.lru_cache(maxsize=8)
 def _state_leaves_cached(cfg_json: str):
-    import ml_collections
-
-    from moejax.train.optim import make_optimizer
-    from moejax.train.state import abstract_state
-
-    cfg = ml_collections.ConfigDict(__import__("json").loads(cfg_json))
+    cfg = ml_collections.ConfigDict(json.loads(cfg_json))
     state = abstract_state(cfg, make_optimizer(cfg))
     return _leaves(state.params), _leaves(state.model_state), _leaves(state.opt_state)
 

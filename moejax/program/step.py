@@ -12,8 +12,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from moejax.model.loss import lm_loss
 from moejax.parallel.mesh import batch_sharding
-from moejax.train.optim import lr_schedule
-from moejax.train.state import TrainState
+from moejax.program.optim import lr_schedule
+from moejax.program.state import TrainState
 
 
 def _loss(params, model_state, graphdef, tokens_BxL1, segment_ids_BxL1=None, mtp_weight: float = 0.0):

@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from moejax.model.loss import lm_loss
-from moejax.train.state import create_model
+from moejax.program.state import create_model
 
 
 @functools.lru_cache(maxsize=64)

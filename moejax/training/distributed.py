@@ -16,9 +16,15 @@ import time
 
 import jax
 
+from moejax.errors import InputError
+
 
 class DistributedError(RuntimeError):
-    """The process could not join the job, or the processes disagree; the message says which and why."""
+    """The process could not join the job; the message says why."""
+
+
+class ProcessesDisagree(InputError, DistributedError):
+    """The processes of one job run different configs or devices (bad input: moejax-train exits 2)."""
 
 
 def detect_cluster(env=os.environ) -> str | None:
@@ -98,12 +104,12 @@ def check_processes_agree(config_json: str, timeout_s: int):
         try:
             theirs = json.loads(client.blocking_key_value_get(f"moejax/fingerprint/{other}", timeout_s * 1000))
         except Exception as e:  # noqa: BLE001
-            raise DistributedError(f"process {other} did not report its config within {timeout_s}s") from e
+            raise ProcessesDisagree(f"process {other} did not report its config within {timeout_s}s") from e
         for key in ("local_devices", "platform"):
             if theirs[key] != mine[key]:
-                raise DistributedError(f"process {other} has {key}={theirs[key]} but process "
+                raise ProcessesDisagree(f"process {other} has {key}={theirs[key]} but process "
                                        f"{jax.process_index()} has {mine[key]}; every process must match")
         if theirs["config_sha256"] != mine["config_sha256"]:
             diff = _first_difference(mine["config"], theirs["config"])
-            raise DistributedError(f"process {other}'s config differs from process {jax.process_index()}'s "
+            raise ProcessesDisagree(f"process {other}'s config differs from process {jax.process_index()}'s "
                                    f"({diff}); every process must run the same config")

@@ -15,9 +15,9 @@ from dataclasses import asdict, dataclass
 
 import jax.numpy as jnp
 
-from moejax.plan.activations import activation_bytes
-from moejax.plan.layout import Layout
-from moejax.plan.state_shapes import state_leaves
+from moejax.planner.activations import activation_bytes
+from moejax.planner.layout import Layout
+from moejax.planner.state_shapes import state_leaves
 
 
 @dataclass(frozen=True)

@@ -11,17 +11,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moejax.config import ConfigError, validate
+from moejax.config import REMAT_POLICIES, ConfigError, validate
 from moejax.model.accounting import flops_per_token
 from moejax.parallel.topology import Topology
-from moejax.plan.comm import buffer_bytes_by_link, step_traffic, wire_bytes
-from moejax.plan.layout import Layout
-from moejax.plan.memory import MemoryEstimate, estimate_memory
+from moejax.planner.comm import buffer_bytes_by_link, step_traffic, wire_bytes
+from moejax.planner.layout import Layout
+from moejax.planner.memory import MemoryEstimate, estimate_memory
 
 RECOMPUTE = {"none": 1.0, "dots": 1.1, "full": 4 / 3}  # hardware FLOPs / model FLOPs
 CRITICAL = ("expert", "tensor")  # collectives over these axes are waited on, not overlapped
-REMATS = ("none", "dots", "full")
-DISPATCHES = ("capacity", "allgather", "dropless")
 
 
 @dataclass(frozen=True)
@@ -91,7 +89,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def enumerate_layouts(cfg, n_gpus: int, domain_size: int, *, remats=REMATS, dispatches=None,
+def enumerate_layouts(cfg, n_gpus: int, domain_size: int, *, remats=REMAT_POLICIES, dispatches=None,
                       max_tensor: int = 8) -> list[Layout]:
     """Every layout the config accepts on n_gpus with expert x tensor inside one domain."""
     dispatches = dispatches or (cfg.moe.dispatch,)

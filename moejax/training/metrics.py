@@ -11,20 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# Dense bf16 peak FLOP/s per GPU (DESIGN.md). Longer names first: "GB200" must not match "B200".
-GPU_PEAK_BF16 = (
-    ("GB300", 2.5e15), ("GB200", 2.5e15), ("B300", 2.25e15), ("B200", 2.25e15),
-    ("H200", 989e12), ("H100", 989e12),
-)
-
-
-def gpu_peak_flops(device_kind: str) -> float | None:
-    kind = device_kind.upper()
-    for name, peak in GPU_PEAK_BF16:
-        if name in kind:
-            return peak
-    return None
-
+from moejax.parallel.topology import TopologyError, detect_topology
+from moejax.units import si_prefix
 
 def measure_cpu_peak_flops(size: int = 1024, seconds: float = 0.5) -> float:
     """FLOP/s of a jitted f32 matmul on one CPU device: what the whole process can do, since XLA:CPU
@@ -41,15 +29,18 @@ def measure_cpu_peak_flops(size: int = 1024, seconds: float = 0.5) -> float:
             return 2 * size**3 * n / elapsed
 
 
-def peak_flops_per_device(cfg) -> tuple[float, str]:
-    """(peak FLOP/s of one device, where the number came from)."""
-    if cfg.hardware.peak_tflops > 0:
-        return cfg.hardware.peak_tflops * 1e12, "config"
+def peak_flops_per_device(peak_tflops: float = 0.0) -> tuple[float, str]:
+    """(peak FLOP/s of one device, where the number came from): `hardware.peak_tflops` when set, else the
+    GPU's dense bf16 peak from its topology (parallel/topology.py), else measured on CPU."""
+    if peak_tflops > 0:
+        return peak_tflops * 1e12, "config"
     device = jax.local_devices()[0]
     if device.platform == "gpu":
-        peak = gpu_peak_flops(device.device_kind)
-        if peak:
+        try:
+            peak = detect_topology(device.device_kind, device.platform).peak_bf16
             return peak, f"table ({device.device_kind}, bf16 dense)"
+        except TopologyError:
+            pass
     if device.platform == "cpu":
         # The emulated devices share the process's cores, so each gets its share of the measured rate.
         return measure_cpu_peak_flops() / jax.local_device_count(), "measured (f32 matmul / local devices)"
@@ -74,10 +65,8 @@ def to_host(metrics: dict) -> dict:
 
 
 def _si(x: float) -> str:
-    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if x >= scale:
-            return f"{x / scale:.1f}{unit}"
-    return f"{x:.0f}"
+    scaled, prefix = si_prefix(x)
+    return f"{scaled:.1f}{prefix}" if prefix else f"{x:.0f}"
 
 
 def console_line(m: dict, total_steps: int) -> str:

@@ -27,10 +27,9 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 
 from moejax.parallel.dispatch import capacity_per_expert
-from moejax.plan.layout import Layout, in_domain_factors
-from moejax.plan.state_shapes import state_leaves
-
-BATCH = ("data", "fsdp", "expert")
+from moejax.parallel.mesh import BATCH_AXES
+from moejax.planner.layout import Layout, in_domain_factors
+from moejax.planner.state_shapes import state_leaves
 
 
 @dataclass(frozen=True)
@@ -84,9 +83,9 @@ def step_traffic(cfg, layout: Layout, seq_len: int | None = None) -> list[Traffi
         if f > 1:
             gathers = (2 if leaf.stacked else 1) * n_micro
             out.append(Traffic("all-gather", ("fsdp",), shard * f, gathers, f"fsdp gather {leaf.path}"))
-        replicas = _group([a for a in BATCH if not leaf.sharded_over(a)], sizes)
+        replicas = _group([a for a in BATCH_AXES if not leaf.sharded_over(a)], sizes)
         if leaf.expert:
-            axes = _group([a for a in BATCH if a != "expert"], sizes)
+            axes = _group([a for a in BATCH_AXES if a != "expert"], sizes)
             if axes:
                 out.append(Traffic("all-reduce", axes, shard * f, n_micro, f"grad sum {leaf.path}"))
         else:

@@ -25,19 +25,13 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
+from moejax.config.changes import Continuation, changed_fields
+from moejax.errors import InputError
+
 ITEMS = ("state", "meta", "config")
 
-# Config fields that may change between a run and its resume: they change neither the shape of the saved
-# state nor the order of the data. Everything else under `model` and `moe` shapes the state; the fields in
-# DATA_ORDER decide which rows each step reads.
-RESUMABLE_MODEL_FIELDS = {"model.dtype", "model.remat"}
-STATE_GROUPS = ("model", "moe")
-DATA_ORDER = ("seed", "train.global_batch", "train.seq_len", "data.corpus", "data.max_bytes",
-              "data.eval_every_nth_file")
-STATE_SHAPE_MOE_FIELDS = ("moe.n_routed_experts", "moe.n_shared_experts", "moe.d_ff_expert")
 
-
-class CheckpointError(RuntimeError):
+class CheckpointError(InputError, RuntimeError):
     """WORKDIR's checkpoints cannot be resumed by this run; the message says why and what to do."""
 
 
@@ -51,24 +45,11 @@ def _manager(directory: Path, ckpt_cfg=None, *, read_only: bool = False) -> ocp.
     return ocp.CheckpointManager(Path(directory).absolute(), options=options, item_names=ITEMS)
 
 
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def incompatibilities(saved_config: dict, config: dict) -> list[str]:
-    """'field=saved vs new' for each field whose change would break the resume: a state of another shape,
-    or another order of data."""
-    saved, new = _flat(saved_config), _flat(config)
-    fields = [f for f in new if f.split(".")[0] == "model" and f not in RESUMABLE_MODEL_FIELDS]
-    fields += list(STATE_SHAPE_MOE_FIELDS) + list(DATA_ORDER)
-    return [f"{f}={saved[f]!r} there, {new[f]!r} here" for f in fields
-            if f in saved and f in new and saved[f] != new[f]]
+    """'field=saved there, new here' for each field whose change would break the resume: a state of another
+    shape, or another order of data (moejax.config.changes, RESUME)."""
+    return [f"{f}={saved!r} there, {new!r} here"
+            for f, saved, new in changed_fields(saved_config, config, Continuation.RESUME)]
 
 
 def inspect_workdir(workdir: Path) -> tuple[int, dict] | None:

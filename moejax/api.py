@@ -1,0 +1,224 @@
+"""The Python API for launch scripts: what the command-line tools do, as functions, errors as exceptions.
+
+    import moejax
+    cfg = moejax.load_config("configs/tiny.py", {"train.steps": 50, "optim.lr": 1e-3})
+    last = moejax.train(cfg, "runs/lr1e-3")          # the last logged metrics record
+    report = moejax.dry_run(cfg)                     # compile for an emulated mesh, XLA vs the planner
+    ranked = moejax.plan(cfg, topology="gb300-nvl72", gpus=[256, 1024])
+
+The same checks run as in `moejax-train`, in the same order, before anything compiles or is written.
+Errors: `moejax.InputError` (a bad config, data, checkpoint or weights directory; the CLI's exit 2, with
+nothing in WORKDIR overwritten), `moejax.NonFiniteLoss` (exit 3), `moejax.Stopped` (a stop signal after a
+checkpoint was saved; exit 128 + signal), `moejax.DistributedError` (could not join the job; exit 4).
+
+This module composes the layers below it and is imported only by the entry points (`moejax/__init__.py`,
+`moejax/cli/`). Heavy modules are imported inside the functions, so `import moejax` stays light and the
+emulated device count can still be set before jax starts its backends.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import ml_collections
+
+from moejax.config import MESH_AXES, REMAT_POLICIES, ConfigError, validate
+from moejax.errors import InputError
+
+
+# ---------------------------------------------------------------------------------------------- configs
+
+
+def load_config(path, overrides: Mapping[str, object] | None = None) -> ml_collections.ConfigDict:
+    """The config a file's `get_config()` returns, with `overrides` ({"train.steps": 50, ...}) applied and the
+    config locked, as `--config FILE --config.train.steps=50` gives. An unknown field, a value of the wrong
+    type or a file that cannot be loaded raises ConfigError."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    spec = importlib.util.spec_from_file_location(f"moejax_config_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+        cfg = module.get_config()
+    except Exception as e:  # noqa: BLE001 - a user's file may raise anything; the message says which
+        raise ConfigError(f"cannot load config {path}: {type(e).__name__}: {e}") from None
+    if not isinstance(cfg, ml_collections.ConfigDict):
+        raise ConfigError(f"{path}: get_config() must return an ml_collections.ConfigDict")
+    cfg.lock()
+    for key, value in (overrides or {}).items():
+        set_field(cfg, key, value)
+    return cfg
+
+
+def set_field(cfg: ml_collections.ConfigDict, key: str, value) -> None:
+    """cfg.<key> = value for a dotted key naming an existing field, type-checked as ml_collections does."""
+    parent, node, path = None, cfg, []
+    for name in key.split("."):
+        if not isinstance(node, ml_collections.ConfigDict) or name not in node:
+            known = list(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"; did you mean {'.'.join([*path, close[0]])}?" if close else ""
+            raise ConfigError(f"the config has no field {key}{hint}")
+        parent, node = node, node[name]
+        path.append(name)
+    try:
+        setattr(parent, path[-1], value)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{key}={value!r}: {e}") from None
+
+
+def check_config(cfg, n_devices: int) -> dict[str, int]:
+    """Every check a run makes before anything compiles; returns the resolved mesh shape. The config's own
+    (moejax.config.validate), then the facts that live elsewhere: the topology name (parallel), the data
+    (data), the weights directory to start from (interop)."""
+    from moejax.data.sources import check_data_config
+    from moejax.interop.weights_dir import check_weights_dir
+    from moejax.parallel.topology import check_topology_name
+
+    sizes = validate(cfg, n_devices)
+    check_topology_name(cfg.mesh.topology)
+    check_data_config(cfg.data, vocab_size=cfg.model.vocab_size)
+    if cfg.checkpoint.init_from:
+        check_weights_dir(cfg.checkpoint.init_from)
+    return sizes
+
+
+def mesh_device_count(mesh_cfg) -> int:
+    """The device count a mesh config names; ConfigError when an axis is -1 (the rest: no count given)."""
+    axes = {a: int(mesh_cfg[a]) for a in MESH_AXES}
+    if -1 in axes.values():
+        raise ConfigError("a mesh axis is -1 (whatever the devices leave): give the device count "
+                          "(moejax-train --dry_run_devices N; moejax.dry_run(cfg, n_devices=N))")
+    return math.prod(axes.values())
+
+
+# --------------------------------------------------------------------------------------------- training
+
+
+@dataclass(frozen=True)
+class PreparedRun:
+    """A run that passed every check: the job is joined, WORKDIR exists, nothing is compiled yet."""
+
+    cfg: ml_collections.ConfigDict
+    workdir: Path
+    mesh_sizes: dict[str, int]
+    sources: list
+
+
+def prepare_training(cfg, workdir, *, coordinator: str | None = None, num_processes: int | None = None,
+                     process_id: int | None = None, init_timeout: int = 300) -> PreparedRun:
+    """Joins the job (multi-process: arguments, JAX_* variables, SLURM or Open MPI), checks the config, the
+    processes' agreement, the data and WORKDIR's checkpoints, then creates WORKDIR. Raises InputError
+    before anything is written, DistributedError when the job cannot be joined."""
+    import jax
+
+    from moejax.data.sources import open_sources
+    from moejax.training import distributed
+    from moejax.training.checkpoint import check_resumable
+
+    distributed.initialize(coordinator, num_processes, process_id, init_timeout)
+    try:
+        mesh_sizes = check_config(cfg, jax.device_count())
+    except ConfigError as e:
+        if jax.device_count() == 1 and jax.devices()[0].platform == "cpu":
+            raise ConfigError(f"{e} (one CPU device: set XLA_FLAGS=--xla_force_host_platform_device_count=8 to "
+                              "emulate a mesh)") from None
+        raise
+    workdir = Path(workdir)
+    if workdir.exists() and not workdir.is_dir():
+        raise InputError(f"--workdir {workdir} exists and is not a directory")
+    config_json = cfg.to_json_best_effort(sort_keys=True)
+    distributed.check_processes_agree(config_json, init_timeout)
+    sources = open_sources(cfg.data, vocab_size=cfg.model.vocab_size)
+    check_resumable(workdir, config_json)
+    if jax.process_count() > 1:
+        # Every process has inspected WORKDIR/checkpoints before any creates it: otherwise a late process finds
+        # the directory process 0 just made and enters orbax's barriers of a read-only manager while process 0
+        # waits in the create barrier (a mismatched-barrier crash seen under load).
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("moejax: workdir inspected")
+    if jax.process_index() == 0:
+        workdir.mkdir(parents=True, exist_ok=True)  # config.json is written once the checkpoint restored
+    return PreparedRun(cfg, workdir, mesh_sizes, sources)
+
+
+def run_training(run: PreparedRun) -> dict:
+    """Trains (or resumes) a prepared run; returns the last logged metrics record (read back from
+    WORKDIR/metrics.jsonl when the run was already complete and this call trained no step)."""
+    import json
+
+    from moejax.training.loop import train as train_loop
+
+    last = train_loop(run.cfg, run.workdir, run.mesh_sizes, run.sources)
+    metrics = run.workdir / "metrics.jsonl"
+    if not last and metrics.exists():
+        lines = metrics.read_text().splitlines()
+        last = json.loads(lines[-1]) if lines else {}
+    return last
+
+
+def train(cfg, workdir, **join) -> dict:
+    """`moejax-train --config ... --workdir WORKDIR` as a function: prepare_training (keyword arguments:
+    coordinator, num_processes, process_id, init_timeout), then run_training. Returns the last logged
+    metrics record (step, loss, lr, grad_norm, step_time_s, tokens_per_s, tflops_per_device, mfu, ...)."""
+    return run_training(prepare_training(cfg, workdir, **join))
+
+
+# ---------------------------------------------------------------------------------------------- planning
+
+
+def emulate_cpu_devices(n_devices: int) -> None:
+    """Makes this process see n_devices CPU devices if jax has not started its backends yet; otherwise
+    checks that it already sees at least that many (the count cannot change once jax started)."""
+    import jax
+    from jax._src import xla_bridge  # backends_are_initialized: no public equivalent
+
+    if not xla_bridge.backends_are_initialized():
+        flags = os.environ.get("XLA_FLAGS", "")
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n_devices}".strip()
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        jax.config.update("jax_platforms", "cpu")
+    if jax.device_count() < n_devices:
+        raise InputError(f"the dry run needs {n_devices} devices but this process already started jax with "
+                         f"{jax.device_count()}; call moejax.dry_run before anything else uses jax")
+
+
+def dry_run(cfg, n_devices: int | None = None) -> dict:
+    """Compiles the real training step for an emulated mesh of n_devices CPU devices (default: the mesh's
+    product) with abstract state, and returns XLA's per-device memory, FLOPs and collectives next to the
+    planner's prediction (what `moejax-train --dry_run` prints and writes to dry_run.json)."""
+    n = int(n_devices) if n_devices else mesh_device_count(cfg.mesh)
+    validate(cfg, n)  # before the device count is fixed for this process
+    emulate_cpu_devices(n)
+    from moejax.planner.dry_run import dry_run as compile_and_compare
+
+    return compile_and_compare(cfg, n)
+
+
+def plan(cfg, *, topology: str, gpus: Sequence[int], efficiency: float = 0.5, domain_size: int = 0,
+         remats: Sequence[str] = REMAT_POLICIES, dispatches: Sequence[str] | None = None, top: int = 5) -> dict:
+    """`moejax-plan --topology T --gpus N,...`: the layouts that fit at each GPU count, ranked by predicted
+    step time, with the scaling between counts and the assumptions made. Nothing is compiled."""
+    from moejax.config import DISPATCH_MODES
+    from moejax.parallel.topology import get_topology
+    from moejax.planner.search import plan as search
+
+    topo = get_topology(topology)
+    gpus = [int(g) for g in gpus]
+    if not gpus or min(gpus) <= 0:
+        raise InputError(f"gpus={gpus}: GPU counts must be positive")
+    if not 0 < efficiency <= 1:
+        raise InputError(f"efficiency={efficiency} must lie in (0, 1]")
+    for name, values, allowed in (("remat", remats, REMAT_POLICIES), ("dispatch", dispatches or (), DISPATCH_MODES)):
+        if bad := [v for v in values if v not in allowed]:
+            raise InputError(f"{name}: {bad[0]!r} is not one of {', '.join(allowed)}")
+    return search(cfg, topo, gpus, efficiency=efficiency, domain_size=domain_size, remats=tuple(remats),
+                  dispatches=tuple(dispatches) if dispatches else None, top=top)

@@ -1,0 +1,156 @@
+"""The config schema: every field with its default, and the choices a field may take.
+
+Config files in `configs/` start from `default_config()` and override fields; `moejax.config.validate`
+checks a config before anything compiles.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from moejax.errors import InputError
+
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
+DTYPES = ("float32", "bfloat16", "float16")
+SCORE_FUNCS = ("sigmoid", "softmax")
+DISPATCH_MODES = ("capacity", "allgather", "dropless")
+DROP_POLICIES = ("position", "probability")
+GMM_BACKENDS = ("auto", "einsum", "ragged_dot")
+REMAT_POLICIES = ("none", "full", "dots")
+ATTENTION_KINDS = ("gqa", "mla")  # gqa covers MHA (n_kv_heads == n_heads); mla is DeepSeek's latent attention
+ROPE_SCALINGS = ("none", "yarn")
+
+
+class ConfigError(InputError, ValueError):
+    """A configuration or input the run cannot use; the message is shown to the user as is."""
+
+
+def default_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+
+    c.model = m = ml_collections.ConfigDict()
+    m.vocab_size = 264  # the byte tokenizer's 256 bytes + specials, padded to a multiple of 8
+    m.d_model = 128
+    m.n_layers = 4
+    m.first_k_dense = 1  # DeepSeek-style: the first k layers use a dense FFN
+    m.attention = "gqa"
+    m.n_heads = 4
+    m.n_kv_heads = 0  # gqa: key/value heads; 0 means n_heads (plain multi-head attention)
+    m.head_dim = 32
+    m.qk_norm = False  # gqa: RMSNorm over head_dim on q and k before RoPE (Qwen3)
+    # mla (DeepSeek-V2/V3): q through a low-rank bottleneck with a norm (q_lora_rank 0: full-rank q),
+    # k/v from one compressed latent with a norm, and a decoupled RoPE key shared by all heads.
+    m.q_lora_rank = 0
+    m.kv_lora_rank = 0
+    m.qk_nope_head_dim = 0
+    m.qk_rope_head_dim = 0
+    m.v_head_dim = 0
+    m.d_ff = 512  # dense-layer FFN width
+    m.rope_theta = 10000.0
+    m.rope_interleave = False  # rotate pairs (2i, 2i+1) (DeepSeek checkpoints) instead of (i, i + K/2)
+    m.rope_scaling = "none"
+    m.yarn = y = ml_collections.ConfigDict()
+    y.factor = 1.0
+    y.original_max_position = 4096
+    y.beta_fast = 32.0
+    y.beta_slow = 1.0
+    y.mscale = 1.0
+    y.mscale_all_dim = 0.0
+    m.mtp_depth = 0  # multi-token prediction modules (DeepSeek-V3: 1)
+    m.mtp_loss_weight = 0.3
+    m.norm_eps = 1e-6
+    m.max_seq_len = 4096
+    m.dtype = "float32"  # compute dtype; params stay in param_dtype
+    m.param_dtype = "float32"
+    m.remat = "full"
+    m.init_std = 0.02
+
+    c.moe = e = ml_collections.ConfigDict()
+    e.n_routed_experts = 16
+    e.n_shared_experts = 1
+    e.top_k = 4
+    e.d_ff_expert = 128
+    e.score_func = "sigmoid"
+    e.n_groups = 1  # group-limited routing (DeepSeek-V3: 8 groups, top-4 groups)
+    e.topk_groups = 1
+    e.routed_scaling = 1.0
+    e.norm_topk_prob = True
+    e.dispatch = "capacity"  # capacity: all-to-all of capacity-padded buffers; allgather: gather + reduce-scatter
+    e.drop_policy = "position"  # over capacity, drop the latest tokens (position) or the lowest-weight ones
+    e.backend = "auto"
+    e.capacity_factor = 2.0  # <= 0 means worst case: no token is ever dropped
+    e.dropless_recv_factor = 0.0  # dropless receive buffer: <= 0 worst case, else x the balanced load
+    e.seq_aux_loss_coef = 1e-4  # DeepSeek-V3 sequence-wise balance loss (alpha)
+    e.batch_aux_loss_coef = 0.0  # the same balance loss over the whole global batch (Switch/GShard style)
+    e.z_loss_coef = 0.0
+    e.bias_update_rate = 1e-3  # aux-loss-free balancing; 0 disables it
+
+    c.mesh = ms = ml_collections.ConfigDict()
+    ms.data = -1  # -1: whatever the other axes leave
+    ms.fsdp = 1
+    ms.expert = 1
+    ms.tensor = 1
+    ms.topology = "auto"  # NVLink layout (moejax/parallel/topology.py): auto = from the device kind
+    ms.domain_size = 0  # devices per NVLink domain; 0: device.slice_index or the topology's (72 on NVL72)
+    ms.allow_cross_domain_experts = False  # True: let an expert group span two domains (all-to-all over NICs)
+
+    c.train = t = ml_collections.ConfigDict()
+    t.steps = 1000
+    t.global_batch = 32
+    t.micro_batches = 1  # gradient accumulation: each step runs global_batch / micro_batches rows at a time
+    t.seq_len = 256
+    t.log_every = 10
+    t.eval_every = 100
+    t.eval_batches = 4
+    t.expert_load_every = 100  # write the full tokens-per-expert matrix (layers x experts) every N steps
+
+    c.optim = o = ml_collections.ConfigDict()
+    o.lr = 3e-3
+    o.min_lr_ratio = 0.1
+    o.warmup_steps = 50
+    o.b1 = 0.9
+    o.b2 = 0.95
+    o.eps = 1e-8
+    o.weight_decay = 0.1
+    o.clip_norm = 1.0
+
+    c.checkpoint = ck = ml_collections.ConfigDict()
+    ck.every_steps = 0  # 0: only at the end of the run (and on SIGTERM/SIGINT)
+    ck.every_minutes = 0.0  # also save when this much wall time passed since the last save; 0: off
+    ck.keep = 2  # the latest K checkpoints are kept...
+    ck.keep_every_steps = 0  # ...plus, permanently, every one whose step is a multiple of this; 0: none
+    ck.init_from = ""  # a weights directory (moejax-convert import) to start step 0 from; "": random init
+
+    c.data = d = ml_collections.ConfigDict()
+    # 'stdlib': the Python standard library's own sources, found at run time; or 'DIR[:WEIGHT],...':
+    # token directories written by `moejax-data tokenize`, mixed in proportion to their weights.
+    d.corpus = "stdlib"
+    d.max_bytes = 16_000_000  # stdlib only
+    d.eval_every_nth_file = 20  # stdlib only
+    d.verify_checksums = True  # CRC32 of every token file at start (one read of the data)
+
+    c.guards = g = ml_collections.ConfigDict()
+    g.max_bad_steps = 5  # stop after this many consecutive steps with a non-finite loss or gradient
+    g.step_timeout_s = 1800.0  # watchdog: no step finished for this long -> dump stacks, exit 5; 0: off
+    g.inject_nan_steps = ""  # testing the guards: comma-separated steps whose loss is made NaN
+
+    c.profile = pr = ml_collections.ConfigDict()
+    pr.start_step = -1  # >= 0: trace steps [start_step, start_step + num_steps) into WORKDIR/profile
+    pr.num_steps = 3
+
+    c.hardware = h = ml_collections.ConfigDict()
+    h.peak_tflops = 0.0  # per device; 0: look up the GPU, or measure on CPU
+    return c
+
+
+def cpu_run(c: ml_collections.ConfigDict, *, steps: int) -> ml_collections.ConfigDict:
+    """The run settings every CPU-size config shares: 8 emulated devices as data x expert=4, 16 x 128-token
+    batches, logging every 10 steps, a short warmup and a higher learning rate for a few hundred steps."""
+    c.mesh.data, c.mesh.expert = -1, 4
+    c.train.steps, c.train.global_batch, c.train.seq_len = steps, 16, 128
+    c.train.log_every, c.train.expert_load_every, c.train.eval_every = 10, 10, 50
+    c.optim.lr, c.optim.warmup_steps = 4e-3, 20
+    c.model.remat = "none"
+    c.moe.capacity_factor = 1.25
+    return c

@@ -1,0 +1,44 @@
+"""Step 0 of a run that starts from a weights directory (`checkpoint.init_from`, written by
+`moejax-convert import`): parameters and router bias restored straight onto the mesh, a fresh optimizer."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from moejax.config.changes import Continuation, changed_fields
+from moejax.errors import InputError
+from moejax.interop.safetensors_io import CheckpointFormatError
+from moejax.interop.weights_dir import load_weights, read_config
+from moejax.program.state import TrainState, abstract_state, state_shardings
+
+
+class WeightsMismatchError(InputError):
+    """The weights directory was saved for a model this config does not build."""
+
+
+def weights_mismatch(saved_cfg, cfg) -> list[str]:
+    """The fields in which a weights directory's config and the run's config differ where they may not
+    (moejax.config.changes, INIT_FROM)."""
+    return [f"{field} is {saved!r} in the weights, {now!r} in the config"
+            for field, saved, now in changed_fields(saved_cfg.to_dict(), cfg.to_dict(), Continuation.INIT_FROM)]
+
+
+def init_state_from_weights(cfg, tx, mesh: Mesh, directory) -> tuple[TrainState, object]:
+    """(state sharded on mesh, its shardings); orbax reshards the saved arrays onto this mesh."""
+    try:
+        mismatch = weights_mismatch(read_config(directory), cfg)
+        if mismatch:
+            raise WeightsMismatchError(f"checkpoint.init_from={directory}: {mismatch[0]}"
+                                       + (f" (and {len(mismatch) - 1} more)" if len(mismatch) > 1 else ""))
+        abstract = abstract_state(cfg, tx)
+        shardings = state_shardings(abstract, mesh)
+        params, model_state = load_weights(directory, abstract.params, abstract.model_state,
+                                           (shardings.params, shardings.model_state))
+    except CheckpointFormatError as e:
+        raise CheckpointFormatError(f"checkpoint.init_from: {e}") from None
+    with jax.set_mesh(mesh):
+        opt_state = jax.jit(tx.init, out_shardings=shardings.opt_state)(params)
+    step = jax.device_put(jnp.zeros((), jnp.int32), shardings.step)
+    return TrainState(step=step, params=params, model_state=model_state, opt_state=opt_state), shardings

@@ -1,0 +1,232 @@
+"""The training loop: config -> mesh -> sharded state -> compiled step -> metrics, reading top to bottom.
+
+The loop dispatches step t before it reads step t-1's metrics, so the host does not stall the device between
+logged steps. It waits for a step only where a log window closes (log_windows.py); the step time is the
+window's wall time per step, less the host time spent on eval, saves and the profiler (step_timer.py).
+
+Surviving: the run resumes from the latest complete checkpoint (state, data iterator, guard counters);
+saves follow a SaveSchedule (steps, minutes, end, SIGTERM/SIGINT); a step whose loss or gradient is not
+finite is skipped by the step itself and counted by the NonFiniteGuard, and too many in a row stop the run
+without saving; a watchdog ends a run whose steps stop finishing.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from functools import partial
+from pathlib import Path
+
+import jax
+
+from moejax.data.pipeline import BatchIterator, eval_batches, train_batches
+from moejax.data.sources import data_fingerprint, open_sources
+from moejax.model.accounting import flops_per_token, param_counts
+from moejax.parallel.mesh import batch_sharding, mesh_from_config
+from moejax.program.optim import make_optimizer
+from moejax.program.state import abstract_state, init_state, model_graphdef, state_shardings
+from moejax.program.step import jit_eval_step, jit_train_step
+from moejax.program.weights import init_state_from_weights
+from moejax.training import metrics as M
+from moejax.training.checkpoint import Checkpointer, CheckpointError
+from moejax.training.evaluator import Evaluator
+from moejax.training.log_windows import LogWindows
+from moejax.training.nonfinite_guard import NonFiniteGuard, NonFiniteLoss
+from moejax.training.preemption import SaveSchedule, StopSignals
+from moejax.training.profile_window import ProfileWindow
+from moejax.training.step_timer import StepTimer
+from moejax.training.watchdog import Watchdog
+
+__all__ = ["NonFiniteLoss", "Stopped", "train", "write_config"]
+
+
+class Stopped(Exception):
+    """A stop signal arrived; the state after `step` was saved."""
+
+    def __init__(self, signum: int, step: int):
+        super().__init__(f"signal {signum}: saved a checkpoint at step {step} and stopped")
+        self.signum, self.step = signum, step
+
+
+def _global_batch(local_batch: dict, sharding):
+    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), local_batch)
+
+
+def train(cfg, workdir: Path, mesh_sizes: dict[str, int], sources=None) -> dict:
+    """Runs cfg.train.steps steps (resuming from WORKDIR/checkpoints); returns the last logged metrics.
+    `sources`: the opened data.corpus (moejax.data.sources.open_sources), when the caller already checked it."""
+    workdir = Path(workdir)
+    is_main = jax.process_index() == 0
+    mesh = mesh_from_config(cfg, mesh_sizes)
+    t, g = cfg.train, cfg.guards
+    n_devices = jax.device_count()
+
+    batches, held_out, fingerprint = _data(cfg, sources)
+    config_json = cfg.to_json_best_effort(sort_keys=True)
+
+    tx = make_optimizer(cfg)
+    graphdef = model_graphdef(cfg)
+    checkpointer = Checkpointer(workdir / "checkpoints", cfg.checkpoint)
+    start = checkpointer.latest_step() or 0
+    state, shardings, next_batch, skipped_total = _initial_state(cfg, tx, mesh, checkpointer, start, fingerprint)
+    if is_main:  # only now: a run refused above (broken checkpoint, changed data) leaves config.json alone
+        write_config(cfg, workdir)
+
+    to_device = partial(_global_batch, sharding=batch_sharding(mesh))
+    example = to_device(batches[next_batch])
+    compile_start = time.perf_counter()
+    # The eval step is compiled only when it will run: a second compile is most of the start-up of a short run.
+    step_fn, eval_fn = _compile(cfg, graphdef, tx, mesh, shardings, state, example,
+                                with_eval=bool(held_out) and t.eval_every > 0)
+    compile_s = time.perf_counter() - compile_start
+
+    peak, peak_source = M.peak_flops_per_device(cfg.hardware.peak_tflops)
+    fpt = flops_per_token(cfg)
+    tokens_per_step = t.global_batch * t.seq_len
+    if is_main:
+        print(_banner(cfg, mesh, fpt, peak, peak_source, compile_s, start), flush=True)
+
+    writer = M.MetricsWriter(workdir, enabled=is_main)
+    data_iter = BatchIterator(batches, next_batch)
+    signals = StopSignals()
+    schedule = SaveSchedule(cfg.checkpoint, t.steps, signals, process_count=jax.process_count())
+    watchdog = Watchdog(g.step_timeout_s)
+    guard = NonFiniteGuard(g.max_bad_steps, total=skipped_total, latest_checkpoint=checkpointer.latest_step)
+    evaluator = Evaluator(eval_fn, held_out, every=t.eval_every, last_step=t.steps, to_device=to_device)
+    windows = LogWindows(log_every=t.log_every, last_step=t.steps, expert_load_every=t.expert_load_every,
+                         eval_due=evaluator.due, save_fixed=schedule.fixed)
+    timer = StepTimer(start)
+
+    def finish(step_done, device_metrics, state_now=None) -> dict | None:
+        """Reads step_done's metrics (blocking until it is complete) and counts it in the guard; if it closes a
+        log window, logs it and returns the record written. state_now is the state after step_done, given
+        when nothing newer has been dispatched."""
+        host = M.to_host(device_metrics)
+        watchdog.beat(f"step {step_done} finished")
+        stop = guard.observe(step_done, host.pop("skipped", 0.0), host.get("loss"), host.get("grad_norm"))
+        host["skipped_steps"] = guard.total
+        record = log(step_done, host, state_now) if windows.closes(step_done) else None
+        if stop:  # raised only now, so that the step that stops the run is logged too
+            raise NonFiniteLoss(stop)
+        return record
+
+    def log(step_done, host, state_now) -> dict | None:
+        """Closes the window at step_done (its step time; eval when due); writes the record if it is logged."""
+        step_time = timer.close_window(step_done)
+        eval_loss = None
+        if evaluator.due(step_done):
+            with timer.excluding():  # eval is not training-step time
+                eval_loss = evaluator.run(state_now)
+                watchdog.beat(f"eval after step {step_done}")
+        throughput = M.throughput(step_time, tokens_per_step, fpt, n_devices, peak)
+        record = windows.record(step_done, host, throughput, eval_loss)
+        if not windows.writes(step_done):
+            return None
+        if is_main:
+            print(M.console_line(record, t.steps), flush=True)
+        writer.write(record)
+        return record
+
+    profiler = ProfileWindow(cfg.profile, workdir / "profile")
+    last, pending = {}, None
+    watchdog.start()
+    try:
+        with signals:
+            for step in range(start, t.steps):
+                done = step + 1  # what the state counts once this step completes; logs and saves use it
+                with timer.excluding():
+                    profiler.before_step(step)
+                with jax.profiler.StepTraceAnnotation("train", step_num=step):
+                    state, device_metrics = step_fn(state, to_device(next(data_iter)))
+                if pending is not None:
+                    finish(*pending)  # step - 1: runs while step is already queued
+                    pending = None
+                synced = windows.closes(done)
+                if synced:
+                    # A window closes exactly when its last step completes: wait for it before dispatching the
+                    # next (one host bubble per log window, not per step; some runtimes dispatch
+                    # synchronously, and without this a window would end one step late).
+                    last = finish(done, device_metrics, state) or last
+                else:
+                    pending = (done, device_metrics)  # closes no window: finishing it later logs nothing
+                save_now, stop = schedule.due(done, host_synced=synced)
+                if save_now:
+                    if pending is not None:  # the guard counters saved with the state must include this step
+                        finish(*pending)
+                        pending = None
+                    with timer.excluding():  # a save is not training-step time
+                        meta = {"step": done, "seed": cfg.seed, "skipped_steps": guard.total,
+                                "data": {**data_iter.get_state(), "fingerprint": fingerprint}}
+                        checkpointer.save(done, state, meta=meta, config_json=config_json)
+                        schedule.saved()
+                        watchdog.beat(f"checkpoint at step {done}")
+                if stop:
+                    raise Stopped(signals.received, done)
+            if pending is not None:
+                finish(*pending)
+    finally:
+        watchdog.stop()
+        profiler.stop()
+        checkpointer.close()
+        writer.close()
+    return last
+
+
+def _data(cfg, sources):
+    """(this process's training batches in order, its held-out batches, the data's fingerprint)."""
+    t = cfg.train
+    if sources is None:
+        sources = open_sources(cfg.data, vocab_size=cfg.model.vocab_size)
+    per_process = dict(process_index=jax.process_index(), process_count=jax.process_count(),
+                       vocab_size=cfg.model.vocab_size)
+    batches = train_batches(sources, seq_len=t.seq_len, global_batch=t.global_batch, steps=t.steps,
+                            seed=cfg.seed, **per_process)
+    held_out = eval_batches(sources, seq_len=t.seq_len, global_batch=t.global_batch, n_batches=t.eval_batches,
+                            **per_process)
+    return batches, held_out, data_fingerprint(sources)
+
+
+def _initial_state(cfg, tx, mesh, checkpointer: Checkpointer, start: int, fingerprint: str):
+    """(state, shardings, next batch index, skipped steps so far): checkpoint `start`'s when start > 0, else
+    the imported weights of checkpoint.init_from, else a fresh init from the seed."""
+    if start:
+        abstract = abstract_state(cfg, tx)
+        shardings = state_shardings(abstract, mesh)
+        state, meta = checkpointer.restore(start, abstract, shardings)
+        if meta["data"]["fingerprint"] != fingerprint:
+            raise CheckpointError(f"the data changed since checkpoint {start} was saved ({meta['data']['fingerprint']}"
+                                  f" then, {fingerprint} now); a resumed run must read the same data")
+        return state, shardings, int(meta["data"]["next_batch"]), int(meta["skipped_steps"])
+    if cfg.checkpoint.init_from:  # continue from released (imported) weights
+        state, shardings = init_state_from_weights(cfg, tx, mesh, cfg.checkpoint.init_from)
+    else:
+        state, shardings = init_state(cfg, tx, mesh, cfg.seed)
+    return state, shardings, 0, 0
+
+
+def _compile(cfg, graphdef, tx, mesh, shardings, state, example, *, with_eval: bool):
+    """(compiled train step, compiled eval step or None), for the state's and the example batch's layouts."""
+    with jax.set_mesh(mesh):
+        step_fn = jit_train_step(cfg, graphdef, tx, mesh, shardings).lower(state, example).compile()
+        eval_fn = jit_eval_step(graphdef, mesh, shardings).lower(state, example).compile() if with_eval else None
+    return step_fn, eval_fn
+
+
+def _banner(cfg, mesh, fpt: float, peak: float, peak_source: str, compile_s: float, start: int) -> str:
+    counts = param_counts(cfg)
+    return (f"mesh {dict(mesh.shape)} over {jax.device_count()} devices | params {counts['total'] / 1e6:.2f}M "
+            f"total, {counts['active'] / 1e6:.2f}M active | {fpt / 1e6:.3g} MFLOP/token | peak "
+            f"{peak / 1e12:.3g} TFLOP/s/dev ({peak_source}) | compiled in {compile_s:.1f}s"
+            + (f" | resumed at step {start}" if start else ""))
+
+
+def write_config(cfg, workdir: Path):
+    """WORKDIR/config.json; an earlier run's different config is kept as config.<n>.json, never lost."""
+    path = Path(workdir) / "config.json"
+    text = json.dumps(json.loads(cfg.to_json_best_effort()), indent=2) + "\n"
+    if path.exists() and path.read_text() != text:
+        n = 1
+        while (backup := path.with_name(f"config.{n}.json")).exists():
+            n += 1
+        path.rename(backup)
+    path.write_text(text)

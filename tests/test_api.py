@@ -1,0 +1,109 @@
+"""The Python API (moejax.load_config / check_config / train / dry_run / plan) checks what the CLI checks and
+raises where the CLI exits; launch/sweep.py trains through it."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import moejax
+from moejax import api
+from moejax.data.shards import DataError
+from moejax.parallel.topology import TopologyError
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.py"
+SMALL = {"train.global_batch": 8, "train.seq_len": 32, "data.max_bytes": 1_000_000, "model.n_layers": 2,
+         "mesh.data": 2, "mesh.expert": 4, "train.steps": 3, "train.log_every": 1, "train.eval_every": 0,
+         "optim.warmup_steps": 1}
+
+
+def test_load_config_applies_typed_overrides_and_names_mistakes():
+    cfg = moejax.load_config(TINY, {"train.steps": 7, "optim.lr": 1e-3, "moe.dispatch": "allgather"})
+    assert (cfg.train.steps, cfg.optim.lr, cfg.moe.dispatch) == (7, 1e-3, "allgather")
+    with pytest.raises(moejax.ConfigError, match=r"^the config has no field train\.stepz; did you mean train\.steps\?$"):
+        moejax.load_config(TINY, {"train.stepz": 7})
+    with pytest.raises(moejax.ConfigError, match=r"^train\.steps='many'"):
+        moejax.load_config(TINY, {"train.steps": "many"})
+    with pytest.raises(moejax.ConfigError, match="does not exist"):
+        moejax.load_config(ROOT / "configs" / "nope.py")
+    with pytest.raises(AttributeError):  # locked, as --config is: no new fields by assignment
+        cfg.train.stepz = 1
+
+
+def test_check_config_composes_the_checks_of_every_layer(tmp_path):
+    def check(**overrides):
+        return moejax.check_config(moejax.load_config(TINY, overrides), 8)
+
+    assert check() == {"data": 2, "fsdp": 1, "expert": 4, "tensor": 1}
+    with pytest.raises(moejax.ConfigError, match="do not divide by the fixed axes' product 3"):
+        check(**{"mesh.expert": 3})
+    with pytest.raises(TopologyError, match="mesh.topology='nvl9000' is not one of 'auto'"):
+        check(**{"mesh.topology": "nvl9000"})
+    with pytest.raises(DataError, match="smaller than the byte tokenizer"):
+        check(**{"model.vocab_size": 100})
+    with pytest.raises(DataError):
+        check(**{"data.corpus": str(tmp_path / "no-such-tokens")})
+    with pytest.raises(moejax.InputError, match="is not a weights directory"):
+        check(**{"checkpoint.init_from": str(tmp_path)})
+    for error in (TopologyError, DataError, moejax.ConfigError):
+        assert issubclass(error, moejax.InputError)
+
+
+def test_dry_run_and_plan_refuse_bad_input_before_compiling(devices):
+    cfg = moejax.load_config(TINY)
+    with pytest.raises(moejax.ConfigError, match="not divisible by the batch-parallel size"):
+        moejax.dry_run(cfg, 64)
+    with pytest.raises(moejax.InputError, match="the dry run needs 64 devices"):
+        moejax.dry_run(moejax.load_config(TINY, {"train.global_batch": 64}), 64)  # jax already runs 8 here
+    with pytest.raises(moejax.ConfigError, match="a mesh axis is -1"):
+        moejax.dry_run(cfg)
+    with pytest.raises(TopologyError):
+        moejax.plan(cfg, topology="nope", gpus=[8])
+    with pytest.raises(moejax.InputError, match="efficiency"):
+        moejax.plan(cfg, topology="hgx-h100", gpus=[8], efficiency=2.0)
+    with pytest.raises(moejax.InputError, match="remat: 'some' is not one of"):
+        moejax.plan(cfg, topology="hgx-h100", gpus=[8], remats=("some",))
+
+
+def test_plan_ranks_layouts():
+    result = moejax.plan(moejax.load_config(TINY), topology="hgx-h100", gpus=[8, 16], remats=("none",), top=2)
+    assert [r["gpus"] for r in result["runs"]] == [8, 16]
+    assert result["runs"][0]["best"] and result["runs"][0]["scaling_efficiency"] == 1.0
+
+
+def _sweep(tmp_path, *values):
+    sets = [a for k, v in SMALL.items() for a in ("--set", f"{k}={v}")]
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    return subprocess.run([sys.executable, str(ROOT / "launch" / "sweep.py"), "--config", str(TINY),
+                           "--field", "optim.lr", "--values", ",".join(values), "--workdir", str(tmp_path / "sweep"),
+                           "--cpu_devices", "8", *sets], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=900)
+
+
+def test_sweep_trains_each_value_through_the_api(tmp_path):
+    proc = _sweep(tmp_path, "1e-3", "oops")  # a value of the wrong type stops the sweep before any training
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "optim.lr='oops'" in proc.stderr, proc.stderr
+    assert not (tmp_path / "sweep").exists()
+
+    proc = _sweep(tmp_path, "1e-3", "3e-3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads((tmp_path / "sweep" / "sweep.json").read_text())["runs"]
+    assert [r["value"] for r in runs] == [1e-3, 3e-3]
+    for r in runs:  # moejax.train returned the run's last logged record
+        last = json.loads(Path(r["workdir"], "metrics.jsonl").read_text().splitlines()[-1])
+        assert r["step"] == last["step"] == 3 and r["loss"] == last["loss"] and r["mfu"] == last["mfu"]
+        saved = json.loads(Path(r["workdir"], "config.json").read_text())
+        assert saved["optim"]["lr"] == r["value"] and saved["train"]["steps"] == 3
+    assert runs[0]["loss"] != runs[1]["loss"]
+
+    # The API raises where moejax-train exits 2, before anything in WORKDIR is touched.
+    workdir = Path(runs[0]["workdir"])
+    before = {p: p.stat().st_mtime_ns for p in workdir.rglob("*")}
+    cfg = moejax.load_config(TINY, {**SMALL, "optim.lr": 1e-3, "model.d_model": 64})
+    with pytest.raises(moejax.InputError, match="incompatible run .* model.d_model=128 there, 64 here"):
+        moejax.train(cfg, workdir)
+    assert {p: p.stat().st_mtime_ns for p in workdir.rglob("*")} == before
