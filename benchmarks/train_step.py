@@ -40,7 +40,7 @@ LAYOUTS = {  # name -> (data, fsdp, expert, tensor); -1 fills the rest
 def measure(cfg, steps: int, peak: float) -> dict:
     sizes = validate(cfg, jax.device_count())
     mesh = make_mesh(sizes)
-    tx = make_optimizer(cfg)
+    tx = make_optimizer(cfg.optim)
     state, shardings = init_state(cfg, tx, mesh, cfg.seed)
     tokens = np.random.default_rng(0).integers(0, 256, (cfg.train.global_batch, cfg.train.seq_len + 1), np.int32)
     batch = jax.device_put(tokens, batch_sharding(mesh))

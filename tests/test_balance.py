@@ -18,7 +18,7 @@ def test_bias_update_balances_a_skewed_router(devices):
     cfg.moe.seq_aux_loss_coef = 0.0
     cfg.mesh.data, cfg.mesh.expert = 2, 4
     mesh = make_mesh(validate(cfg, 8), devices)
-    tx = make_optimizer(cfg)
+    tx = make_optimizer(cfg.optim)
     state, shardings = init_state(cfg, tx, mesh, seed=1)
     skew = np.zeros(cfg.moe.n_routed_experts, np.float32)
     skew[:2] = 0.5  # experts 0 and 1 win every token at first

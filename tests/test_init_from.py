@@ -60,7 +60,7 @@ def test_training_starts_from_the_imported_weights(imported, tmp_path):
     assert cfg["checkpoint"]["init_from"] == str(weights) and cfg["model"]["n_kv_heads"] == 2
     # lr 0: the step-1 checkpoint holds the imported parameters, restored here from the sharded run.
     model, mcfg = load_hf(hf_dir)
-    tx = make_optimizer(mcfg)
+    tx = make_optimizer(mcfg.optim)
     abstract = abstract_state(mcfg, tx)
     mesh = make_mesh({"data": 1, "fsdp": 1, "expert": 1, "tensor": 1}, jax.devices()[:1])
     with mcfg.unlocked():

@@ -29,7 +29,7 @@ def small_config():
 def one_step(cfg, devices, tokens):
     sizes = validate(cfg, len(devices))
     mesh = make_mesh(sizes, devices)
-    tx = make_optimizer(cfg)
+    tx = make_optimizer(cfg.optim)
     state, shardings = init_state(cfg, tx, mesh, seed=3)
     step = jit_train_step(cfg, model_graphdef(cfg), tx, mesh, shardings)
     with jax.set_mesh(mesh):
@@ -77,3 +77,54 @@ def test_gradient_accumulation_equals_the_full_batch(devices):
     for path, p in jax.tree_util.tree_leaves_with_path(p2):
         np.testing.assert_allclose(p, flat_1[path], rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
     np.testing.assert_array_equal(s2["moe_layers"]["ffn"]["router"]["bias_E"], s1["moe_layers"]["ffn"]["router"]["bias_E"])
+
+
+def test_accumulation_weights_micro_batches_by_their_valid_targets(devices):
+    """Packed documents leave micro-batches with unequal numbers of valid targets (main head and MTP): the
+    accumulated step still equals the full batch's token-weighted loss, gradient and update."""
+    rng = np.random.default_rng(7)
+    tokens = rng.integers(0, 259, size=(16, 17), dtype=np.int32)
+    # Micro-batch m holds rows m, m + 2, ...: even rows are one document each, odd rows many short ones, so
+    # micro-batch 1 has far fewer valid (same-document) targets than micro-batch 0.
+    segments = np.zeros((16, 17), np.int32)
+    segments[1::2] = np.arange(17) // 3
+    batch = {"tokens": tokens, "segment_ids": segments}
+    runs = {}
+    for micro in (1, 2):
+        cfg = small_config()
+        cfg.model.mtp_depth, cfg.model.mtp_loss_weight = 1, 0.3
+        cfg.train.global_batch = 16
+        cfg.mesh.data, cfg.mesh.expert = 2, 4
+        cfg.train.micro_batches = micro
+        runs[micro] = one_step(cfg, devices, batch)
+    (p1, _, m1), (p2, _, m2) = runs[1], runs[2]
+    for key in ("loss", "total_loss", "mtp_loss", "grad_norm"):
+        np.testing.assert_allclose(m2[key], m1[key], rtol=1e-5, err_msg=key)
+    flat_1 = dict(jax.tree_util.tree_leaves_with_path(p1))
+    for path, p in jax.tree_util.tree_leaves_with_path(p2):
+        np.testing.assert_allclose(p, flat_1[path], rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
+def test_a_skipped_step_advances_the_schedule_and_the_logged_lr_is_applied(devices):
+    """One clock: step 0 is non-finite and skipped; step 1 applies lr(1) (not lr(0) = 0 of warm-up) and logs
+    it. Adam's first applied update moves every weight by about lr (|m_hat / sqrt(v_hat)| = 1)."""
+    cfg = small_config()
+    cfg.mesh.data = 1
+    cfg.optim.warmup_steps, cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.eps = 4, 1e-2, 0.0, 1e-12
+    cfg.guards.inject_nan_steps = "0"
+    sizes = validate(cfg, 1)
+    mesh = make_mesh(sizes, devices[:1])
+    tx = make_optimizer(cfg.optim)
+    state, shardings = init_state(cfg, tx, mesh, seed=3)
+    step = jit_train_step(cfg, model_graphdef(cfg), tx, mesh, shardings)
+    tokens = np.random.default_rng(8).integers(0, 259, size=(8, 17), dtype=np.int32)
+    before = jax.device_get(nnx.to_pure_dict(state.params))
+    with jax.set_mesh(mesh):
+        state, m0 = step(state, tokens)
+        state, m1 = step(state, tokens)
+    after = jax.device_get(nnx.to_pure_dict(state.params))
+    assert m0["skipped"] == 1.0 and m1["skipped"] == 0.0
+    assert m0["lr"] == 0.0 and np.isclose(m1["lr"], 1e-2 / 4)
+    moved = [np.abs(np.asarray(a) - np.asarray(b)).max()
+             for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before))]
+    np.testing.assert_allclose(max(moved), m1["lr"], rtol=1e-3)

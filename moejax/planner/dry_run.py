@@ -34,7 +34,7 @@ def dry_run(cfg, n_devices: int) -> dict:
     devices = jax.devices()[:n_devices]
     mesh = make_mesh(sizes, devices, topology="cpu", domain_size=domain,
                      allow_cross_domain=bool(cfg.mesh.allow_cross_domain_experts))
-    tx = make_optimizer(cfg)
+    tx = make_optimizer(cfg.optim)
     abstract = abstract_state(cfg, tx)
     shardings = state_shardings(abstract, mesh)
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)

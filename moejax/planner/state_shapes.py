@@ -69,7 +69,7 @@ def _leaves(tree) -> list[Leaf]:
 @functools.lru_cache(maxsize=8)
 def _state_leaves_cached(cfg_json: str):
     cfg = ml_collections.ConfigDict(json.loads(cfg_json))
-    state = abstract_state(cfg, make_optimizer(cfg))
+    state = abstract_state(cfg, make_optimizer(cfg.optim))
     return _leaves(state.params), _leaves(state.model_state), _leaves(state.opt_state)
 
 

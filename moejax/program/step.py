@@ -10,9 +10,9 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from moejax.model.loss import lm_loss
+from moejax.model.loss import _target_mask, lm_loss
 from moejax.parallel.mesh import batch_sharding
-from moejax.program.optim import lr_schedule
+from moejax.program.optim import apply_learning_rate, lr_schedule
 from moejax.program.state import TrainState
 
 
@@ -56,30 +56,50 @@ def _micro(x_BxL, n: int):
     return None if x_BxL is None else x_BxL.reshape(x_BxL.shape[0] // n, n, *x_BxL.shape[1:]).swapaxes(0, 1)
 
 
-def _accumulate(grad_fn, state, graphdef, tokens_BxL1, segments_BxL1, mtp_weight, n: int):
-    """Gradient accumulation over n micro-batches (lax.scan): losses and gradients averaged, expert loads
-    summed (the bias update sees the whole step's load), other MoE statistics averaged."""
+def _valid_targets_H(segments_BxL1, n_heads: int):
+    """[heads] count of the targets each head is trained on (main head, then MTP depths 1..D): the loss's own
+    masks (another document, past the row end)."""
+    return jnp.stack([jnp.sum(_target_mask(segments_BxL1, k).astype(jnp.float32)) for k in range(n_heads)])
+
+
+def _accumulate(state, graphdef, tokens_BxL1, segments_BxL1, mtp_weight, mtp_depth: int, n: int):
+    """Gradient accumulation over n micro-batches (lax.scan) that equals the full batch's gradient: each head's
+    cross-entropy is a mean over the whole batch's valid targets, so micro-batch m's is weighted by its share
+    of them (packed documents leave micro-batches with unequal counts); the balance losses, defined per pass,
+    are averaged; expert loads are summed (the bias update sees the whole step's load)."""
+    segments_BxL1 = jnp.zeros_like(tokens_BxL1) if segments_BxL1 is None else segments_BxL1
+    tokens_NxBxL1, segments_NxBxL1 = _micro(tokens_BxL1, n), _micro(segments_BxL1, n)
+    n_heads = 1 + mtp_depth
+    counts_NxH = jax.vmap(lambda seg: _valid_targets_H(seg, n_heads))(segments_NxBxL1)
+    share_NxH = counts_NxH / jnp.maximum(jnp.sum(counts_NxH, axis=0), 1.0)
+
+    def objective(params, model_state, tokens, segments, share_H):
+        _, (ce, stats, parts) = _loss(params, model_state, graphdef, tokens, segments, mtp_weight)
+        total = share_H[0] * parts.ce + parts.aux / n
+        if n_heads > 1:  # DeepSeek-V3 eq. 25: lambda / D * sum_k L_MTP^k
+            total = total + mtp_weight / (n_heads - 1) * jnp.sum(share_H[1:] * parts.mtp_ce_D)
+        return total, (ce, stats, parts)
+
+    grad_fn = jax.value_and_grad(objective, argnums=(0, 1), has_aux=True)
 
     def body(grad_sum, xs):
-        tokens, segments = xs
-        (loss, (ce, stats, parts)), (grads, _) = grad_fn(state.params, state.model_state, graphdef, tokens,
-                                                         segments, mtp_weight)
+        (loss, (ce, stats, parts)), (grads, _) = grad_fn(state.params, state.model_state, *xs)
         return jax.tree.map(jnp.add, grad_sum, grads), (loss, ce, stats, parts)
 
     zeros = jax.tree.map(jnp.zeros_like, state.params)
-    grads, (loss, ce, stats, parts) = jax.lax.scan(body, zeros, (_micro(tokens_BxL1, n), _micro(segments_BxL1, n)))
-    grads = jax.tree.map(lambda g: g / n, grads)
+    grads, (loss_N, ce_N, stats, parts) = jax.lax.scan(body, zeros, (tokens_NxBxL1, segments_NxBxL1, share_NxH))
     if stats is not None:
         stats = stats._replace(**{k: jnp.mean(v, axis=0) for k, v in stats._asdict().items()
                                   if k not in ("tokens_per_expert_E", "dropped", "assignments")},
                                tokens_per_expert_E=jnp.sum(stats.tokens_per_expert_E, axis=0),
                                dropped=jnp.sum(stats.dropped, axis=0), assignments=jnp.sum(stats.assignments, axis=0))
-    parts = jax.tree.map(lambda v: jnp.mean(v, axis=0), parts._replace(stats=None))
-    return jnp.mean(loss), jnp.mean(ce), stats, parts, grads
+    parts = parts._replace(stats=None, ce=jnp.sum(share_NxH[:, 0] * ce_N), aux=jnp.mean(parts.aux, axis=0),
+                           mtp_ce_D=jnp.sum(share_NxH[:, 1:] * parts.mtp_ce_D, axis=0))
+    return jnp.sum(loss_N), parts.ce, stats, parts, grads
 
 
 def train_step(state: TrainState, batch: dict, *, graphdef, tx, schedule, bias_rate: float,
-               mtp_weight: float = 0.0, nan_steps: tuple[int, ...] = (), micro_batches: int = 1):
+               mtp_weight: float = 0.0, mtp_depth: int = 0, nan_steps: tuple[int, ...] = (), micro_batches: int = 1):
     """One optimizer step on batch {"tokens", "segment_ids"} ([B, L + 1] int32; or just the tokens). A step whose loss or
     gradient is not finite changes nothing but the step counter (its batch is skipped) and reports
     skipped=1, so one bad batch cannot poison the parameters or the Adam moments."""
@@ -91,7 +111,7 @@ def train_step(state: TrainState, batch: dict, *, graphdef, tx, schedule, bias_r
         (loss, (ce, stats, parts)), (grads, _) = grad_fn(state.params, state.model_state, graphdef, tokens,
                                                          segments, mtp_weight)
     else:
-        loss, ce, stats, parts, grads = _accumulate(grad_fn, state, graphdef, tokens, segments, mtp_weight,
+        loss, ce, stats, parts, grads = _accumulate(state, graphdef, tokens, segments, mtp_weight, mtp_depth,
                                                     micro_batches)
     if nan_steps:  # guards.inject_nan_steps: poison these steps' loss and gradient (tests the guard end to end)
         poison = jnp.where(jnp.isin(state.step, jnp.asarray(nan_steps, jnp.int32)), jnp.nan, 1.0)
@@ -99,8 +119,9 @@ def train_step(state: TrainState, batch: dict, *, graphdef, tx, schedule, bias_r
         grads = jax.tree.map(lambda g: g * poison.astype(g.dtype), grads)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    lr = schedule(state.step)  # the step counter is the schedule's clock, skipped steps included
+    direction, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, apply_learning_rate(direction, lr))
     model_state = state.model_state
     if stats is not None and bias_rate:
         # The bias follows the loads of this step, summed over the whole mesh (psum in dispatch).
@@ -113,7 +134,7 @@ def train_step(state: TrainState, batch: dict, *, graphdef, tx, schedule, bias_r
     opt_state = keep_if_bad(opt_state, state.opt_state)
     model_state = keep_if_bad(model_state, state.model_state)
     metrics = {"loss": ce, "total_loss": loss, "grad_norm": grad_norm, "skipped": 1.0 - finite.astype(jnp.float32),
-               "lr": schedule(state.step), **_moe_metrics(stats, model_state)}
+               "lr": lr, **_moe_metrics(stats, model_state)}
     if parts.mtp_ce_D.shape[0]:
         metrics["mtp_loss"] = jnp.mean(parts.mtp_ce_D)  # mean over MTP depths, unweighted
     new_state = state.replace(step=state.step + 1, params=params, model_state=model_state, opt_state=opt_state)
@@ -132,8 +153,9 @@ def parse_steps(spec: str) -> tuple[int, ...]:
 
 def jit_train_step(cfg, graphdef, tx, mesh: Mesh, shardings):
     """jax.jit of the train step with the state donated and every in/out sharding explicit."""
-    fn = functools.partial(train_step, graphdef=graphdef, tx=tx, schedule=lr_schedule(cfg),
+    fn = functools.partial(train_step, graphdef=graphdef, tx=tx, schedule=lr_schedule(cfg.optim, cfg.train.steps),
                            bias_rate=float(cfg.moe.bias_update_rate), mtp_weight=float(cfg.model.mtp_loss_weight),
+                           mtp_depth=int(cfg.model.mtp_depth),
                            nan_steps=parse_steps(cfg.guards.inject_nan_steps),
                            micro_batches=int(cfg.train.micro_batches))
     return jax.jit(fn, in_shardings=(shardings, batch_sharding(mesh)),

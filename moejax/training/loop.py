@@ -64,7 +64,7 @@ def train(cfg, workdir: Path, mesh_sizes: dict[str, int], sources=None) -> dict:
     batches, held_out, fingerprint = _data(cfg, sources)
     config_json = cfg.to_json_best_effort(sort_keys=True)
 
-    tx = make_optimizer(cfg)
+    tx = make_optimizer(cfg.optim)
     graphdef = model_graphdef(cfg)
     checkpointer = Checkpointer(workdir / "checkpoints", cfg.checkpoint)
     start = checkpointer.latest_step() or 0
