@@ -91,12 +91,17 @@ def check_config(cfg, n_devices: int) -> dict[str, int]:
 
 
 def mesh_device_count(mesh_cfg) -> int:
-    """The device count a mesh config names; ConfigError when an axis is -1 (the rest: no count given)."""
-    axes = {a: int(mesh_cfg[a]) for a in MESH_AXES}
-    if -1 in axes.values():
-        raise ConfigError("a mesh axis is -1 (whatever the devices leave): give the device count "
-                          "(moejax-train --dry_run_devices N; moejax.dry_run(cfg, n_devices=N))")
-    return math.prod(axes.values())
+    """The device count a mesh config names: the product of its axes; with an axis of -1 (whatever the devices
+    leave), the smallest multiple of the other axes' product that is at least 8 (the emulated CPU mesh the
+    tests and the tiny configs use)."""
+    fixed = math.prod(max(1, int(mesh_cfg[a])) for a in MESH_AXES)
+    if all(int(mesh_cfg[a]) != -1 for a in MESH_AXES):
+        return fixed
+    return fixed * max(1, -(-8 // fixed))
+
+
+def _has_device_count_flag() -> bool:
+    return "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
 
 
 # --------------------------------------------------------------------------------------------- training
@@ -110,6 +115,7 @@ class PreparedRun:
     workdir: Path
     mesh_sizes: dict[str, int]
     sources: list
+    emulated_cpu_devices: int  # > 0: no accelerator was found and this many CPU devices emulate the mesh
 
 
 def prepare_training(cfg, workdir, *, coordinator: str | None = None, num_processes: int | None = None,
@@ -122,8 +128,18 @@ def prepare_training(cfg, workdir, *, coordinator: str | None = None, num_proces
     from moejax.data.sources import open_sources
     from moejax.training import distributed
     from moejax.training.checkpoint import check_resumable
+    from jax._src import xla_bridge  # backends_are_initialized: no public equivalent
 
+    # A laptop just works: when jax has not started and no device count is set, ask for the config's mesh in
+    # CPU devices. The flag only shapes the CPU backend, so on a GPU or TPU machine it changes nothing.
+    emulated = 0
+    if not xla_bridge.backends_are_initialized() and not _has_device_count_flag():
+        emulated = mesh_device_count(cfg.mesh)
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + f" --xla_force_host_platform_device_count={emulated}").strip()
     distributed.initialize(coordinator, num_processes, process_id, init_timeout)
+    if jax.devices()[0].platform != "cpu":
+        emulated = 0
     try:
         mesh_sizes = check_config(cfg, jax.device_count())
     except ConfigError as e:
@@ -147,7 +163,7 @@ def prepare_training(cfg, workdir, *, coordinator: str | None = None, num_proces
         multihost_utils.sync_global_devices("moejax: workdir inspected")
     if jax.process_index() == 0:
         workdir.mkdir(parents=True, exist_ok=True)  # config.json is written once the checkpoint restored
-    return PreparedRun(cfg, workdir, mesh_sizes, sources)
+    return PreparedRun(cfg, workdir, mesh_sizes, sources, emulated)
 
 
 def run_training(run: PreparedRun) -> dict:
@@ -192,8 +208,8 @@ def emulate_cpu_devices(n_devices: int) -> None:
 
 
 def dry_run(cfg, n_devices: int | None = None) -> dict:
-    """Compiles the real training step for an emulated mesh of n_devices CPU devices (default: the mesh's
-    product) with abstract state, and returns XLA's per-device memory, FLOPs and collectives next to the
+    """Compiles the real training step for an emulated mesh of n_devices CPU devices (default:
+    mesh_device_count of the config) with abstract state, and returns XLA's per-device memory, FLOPs and collectives next to the
     planner's prediction (what `moejax-train --dry_run` prints and writes to dry_run.json)."""
     n = int(n_devices) if n_devices else mesh_device_count(cfg.mesh)
     validate(cfg, n)  # before the device count is fixed for this process

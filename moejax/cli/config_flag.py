@@ -3,6 +3,8 @@ files become one-line usage errors instead of tracebacks."""
 
 from __future__ import annotations
 
+import re
+
 
 class UsageError(Exception):
     """A command-line mistake; the message is shown as is and the command exits 2."""
@@ -11,6 +13,28 @@ class UsageError(Exception):
 def _last_line(e: Exception) -> str:
     text = str(e).strip()
     return text.splitlines()[-1].strip() if text else type(e).__name__
+
+
+_SUGGESTION = re.compile(r'Did you mean "(?P<good>[^"]+)" instead of "(?P<bad>[^"]+)"')
+_QUOTED = re.compile(r"'(?P<bad>[\w]+)'")
+
+
+def _unknown_field(text: str, argv: list[str]) -> str | None:
+    """ml_collections reports a misspelt override as the repr of a KeyError (with escaped quotes and a literal
+    newline before 'Did you mean'); say it plainly, with the whole dotted name."""
+    plain = text.replace("\\'", "'").replace("\\n", " ")
+    found = _SUGGESTION.search(plain)
+    quoted = _QUOTED.search(plain)
+    unknown = found["bad"] if found else (quoted["bad"] if quoted and "instead of" not in plain else None)
+    if unknown is None:
+        return None
+    for arg in argv[1:]:
+        names = arg[2:].split("=", 1)[0].split(".")[1:] if arg.startswith("--config.") else []
+        if unknown in names:
+            where = names[: names.index(unknown)]
+            hint = f"; did you mean {'.'.join([*where, found['good']])}?" if found else ""
+            return f"the config has no field {'.'.join(names)}{hint}"
+    return None
 
 
 def parse_config(flags, argv: list[str], doc: str, example: str):
@@ -23,7 +47,7 @@ def parse_config(flags, argv: list[str], doc: str, example: str):
     try:
         flags(argv)
     except Exception as e:  # absl flag errors, config file import errors, bad overrides
-        raise UsageError(_last_line(e)) from None
+        raise UsageError(_unknown_field(str(e), argv) or _last_line(e)) from None
     try:
         cfg = flags.config  # a missing or broken file yields a stand-in that fails on first use
         if cfg is not None:

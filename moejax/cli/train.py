@@ -34,8 +34,9 @@ flags.DEFINE_integer("process_id", None, "this process's index in [0, num_proces
 flags.DEFINE_integer("init_timeout", 300, "seconds to wait for every process to join and agree", flag_values=FLAGS)
 flags.DEFINE_bool("dry_run", False, "compile the train step for an emulated mesh with abstract state and compare "
                   "XLA's memory/FLOPs/collectives with moejax-plan's prediction; trains nothing", flag_values=FLAGS)
-flags.DEFINE_integer("dry_run_devices", 0, "emulated devices for --dry_run (0: the product of the mesh axes, "
-                     "which then may not contain -1)", flag_values=FLAGS)
+flags.DEFINE_integer("dry_run_devices", 0, "emulated devices for --dry_run (0: the product of the mesh axes; "
+                     "with an axis of -1, the smallest multiple of the others' product that is >= 8)",
+                     flag_values=FLAGS)
 
 PROG = "moejax-train"
 
@@ -73,6 +74,9 @@ def main(argv=None) -> int:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 4
 
+    if run.emulated_cpu_devices:
+        print(f"no accelerator found: {run.emulated_cpu_devices} CPU devices emulate the mesh (set XLA_FLAGS="
+              f"--xla_force_host_platform_device_count=N to choose)", flush=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     for noisy in ("absl", "jax", "orbax", "grain"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -73,6 +73,9 @@ def validate(cfg, n_devices: int) -> dict[str, int]:
     m, e, t = cfg.model, cfg.moe, cfg.train
     sizes = resolve_mesh_shape(cfg.mesh, n_devices)
     for name in ("dtype", "param_dtype"):
+        if m[name] == "float16":
+            raise ConfigError(f"model.{name}='float16' needs loss scaling, which moejax does not do; use "
+                              "'bfloat16' (same speed on GPUs since Ampere, float32's exponent range)")
         _check_choice(f"model.{name}", m[name], DTYPES)
     _check_choice("model.remat", m.remat, REMAT_POLICIES)
     _check_choice("model.attention", m.attention, ATTENTION_KINDS)
