@@ -153,3 +153,21 @@ def test_incompatible_workdir_and_broken_checkpoint_exit_2_untouched(straight, t
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
     assert "checkpoints/30 is incomplete or corrupt" in lines[0] and "resume from step 20" in lines[0], lines[0]
     assert tree_digest(workdir) == before
+
+
+def test_resume_takes_the_changes_deepseek_v3_makes_mid_run(straight, tmp_path):
+    """moejax/config/changes.py in use: resuming at step 20 with the MTP weight lowered, the bias update rate
+    set to 0 and a re-annealed learning rate runs, records the new values, and the bias stops moving."""
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    shutil.copytree(straight / "checkpoints" / "20", workdir / "checkpoints" / "20")
+    proc = run(workdir, "--config.model.mtp_loss_weight=0.1", "--config.moe.bias_update_rate=0.0",
+               "--config.optim.lr=1e-4", "--config.optim.warmup_steps=0", "--config.train.steps=24")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed at step 20" in proc.stdout
+    saved = json.loads((workdir / "config.json").read_text())
+    assert (saved["model"]["mtp_loss_weight"], saved["moe"]["bias_update_rate"], saved["optim"]["lr"]) == (0.1, 0.0, 1e-4)
+    got = records(workdir)
+    assert [r["step"] for r in got] == [21, 22, 23, 24]
+    assert len({r["router_bias_norm"] for r in got}) == 1  # rate 0: the bias no longer moves
+    assert all(r["lr"] <= 1e-4 for r in got)

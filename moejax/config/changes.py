@@ -7,7 +7,7 @@ another.
 
 Every field of the groups in CHECKED_GROUPS must be equal unless MAY_CHANGE lists it for that continuation;
 a resume also keeps DATA_ORDER, the fields that decide which rows each step reads. Fields outside these
-(train.*, optim.*, checkpoint.*, ...) may always change. A field added to `model` or `moe` is therefore
+(train.*, optim.*, checkpoint.*, ...) may always change: schedules may be re-annealed, steps extended. A field added to `model` or `moe` is therefore
 refused until this table says otherwise: the safe default.
 """
 
@@ -34,7 +34,12 @@ MAY_CHANGE: dict[str, tuple[frozenset[Continuation], str]] = {
     "model.param_dtype": (_INIT_FROM, "imported weights are cast; a resumed state keeps its saved dtype"),
     "model.init_std": (_INIT_FROM, "initialisation only; imported weights replace it"),
     "model.max_seq_len": (_INIT_FROM, "an upper bound checked against train.seq_len; no weight depends on it"),
-    "model.mtp_loss_weight": (_INIT_FROM, "a loss weight, not a weight of the model"),
+    # DeepSeek-V3 lowers the MTP loss weight from 0.3 to 0.1 late in pre-training, within one run.
+    "model.mtp_loss_weight": (_BOTH, "a loss weight, not a weight of the model"),
+    # Context extension (DeepSeek-V3 section 4.3) continues pre-trained weights with YaRN at a longer sequence:
+    # the same weights, positions rescaled; a new run (init_from), since the sequence length changes the data.
+    "model.rope_scaling": (_INIT_FROM, "context extension: YaRN on pre-trained weights"),
+    "model.yarn": (_INIT_FROM, "context extension: the YaRN parameters (every model.yarn.* field)"),
     # Routing: changes what a set of weights computes, so imported weights must be routed as they were
     # trained; a resume has so far allowed these (the saved state keeps its shapes).
     "moe.top_k": (_RESUME, "state shapes unchanged"),
@@ -53,6 +58,7 @@ MAY_CHANGE: dict[str, tuple[frozenset[Continuation], str]] = {
     "moe.seq_aux_loss_coef": (_BOTH, "a loss coefficient"),
     "moe.batch_aux_loss_coef": (_BOTH, "a loss coefficient"),
     "moe.z_loss_coef": (_BOTH, "a loss coefficient"),
+    # DeepSeek-V3 sets the bias update rate to 0 for the last 500B tokens, within one run.
     "moe.bias_update_rate": (_BOTH, "the aux-loss-free bias's update rate, not the bias"),
 }
 
@@ -77,8 +83,12 @@ def may_change(field: str, how: Continuation) -> bool:
         return how is not Continuation.RESUME
     if field.split(".")[0] not in CHECKED_GROUPS:
         return True
-    allowed, _ = MAY_CHANGE.get(field, (frozenset(), ""))
-    return how in allowed
+    # An entry names a field or a group of fields ("model.yarn" covers model.yarn.factor, ...).
+    names = field.split(".")
+    for i in range(len(names), 1, -1):
+        if ".".join(names[:i]) in MAY_CHANGE:
+            return how in MAY_CHANGE[".".join(names[:i])][0]
+    return False
 
 
 def changed_fields(saved: dict, new: dict, how: Continuation) -> list[tuple[str, object, object]]:
