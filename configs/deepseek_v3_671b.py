@@ -1,7 +1,10 @@
 """DeepSeek-V3 671B as published (config.json of deepseek-ai/DeepSeek-V3 and the technical report):
 61 layers (first 3 dense), MLA, 256 routed + 1 shared experts top-8 with group-limited sigmoid routing,
-aux-loss-free balancing, YaRN, one MTP module. Training hyper-parameters follow the report where it states
-them (sequence 4096, AdamW betas 0.9/0.95, weight decay 0.1, clip 1.0, bias rate 1e-3, alpha 1e-4).
+aux-loss-free balancing, one MTP module. This is PRE-TRAINING as published: sequence 4096 with plain RoPE.
+YaRN belongs to the later context-extension stages (configs/deepseek_v3_671b_context.py), which continue
+from this run's checkpoint; the released checkpoint's config.json has YaRN because it comes after them.
+Training hyper-parameters follow the report where it states them (AdamW betas 0.9/0.95, weight decay 0.1,
+clip 1.0, bias rate 1e-3, alpha 1e-4).
 
 The mesh is a GB300 NVL72 starting point (expert 32 inside a rack, fsdp across); `moejax-plan` ranks layouts.
 This config does not fit on a laptop: use it with `moejax-plan` or `moejax-train --dry_run`."""
@@ -26,14 +29,8 @@ def get_config():
     m.v_head_dim = 128
     m.rope_theta = 10000.0
     m.rope_interleave = True
-    m.rope_scaling = "yarn"
-    m.yarn.factor = 40.0
-    m.yarn.original_max_position = 4096
-    m.yarn.beta_fast = 32.0
-    m.yarn.beta_slow = 1.0
-    m.yarn.mscale = 1.0
-    m.yarn.mscale_all_dim = 1.0
-    m.max_seq_len = 163840
+    m.rope_scaling = "none"
+    m.max_seq_len = 4096
     m.norm_eps = 1e-6
     m.init_std = 0.006
     m.mtp_depth = 1

@@ -39,14 +39,17 @@ def load_config(path, overrides: Mapping[str, object] | None = None) -> ml_colle
     """The config a file's `get_config()` returns, with `overrides` ({"train.steps": 50, ...}) applied and the
     config locked, as `--config FILE --config.train.steps=50` gives. An unknown field, a value of the wrong
     type or a file that cannot be loaded raises ConfigError."""
-    path = Path(path)
+    path, argument = Path(path), None
+    if not path.is_file() and ":" in path.name:  # FILE:ARG passes ARG to get_config, as --config FILE:ARG does
+        name, argument = path.name.split(":", 1)
+        path = path.with_name(name)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     spec = importlib.util.spec_from_file_location(f"moejax_config_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
-        cfg = module.get_config()
+        cfg = module.get_config() if argument is None else module.get_config(argument)
     except Exception as e:  # noqa: BLE001 - a user's file may raise anything; the message says which
         raise ConfigError(f"cannot load config {path}: {type(e).__name__}: {e}") from None
     if not isinstance(cfg, ml_collections.ConfigDict):

@@ -47,7 +47,7 @@ def test_check_config_composes_the_checks_of_every_layer(tmp_path):
         check(**{"model.vocab_size": 100})
     with pytest.raises(DataError):
         check(**{"data.corpus": str(tmp_path / "no-such-tokens")})
-    with pytest.raises(moejax.InputError, match="is not a weights directory"):
+    with pytest.raises(moejax.InputError, match="is neither a weights directory"):
         check(**{"checkpoint.init_from": str(tmp_path)})
     for error in (TopologyError, DataError, moejax.ConfigError):
         assert issubclass(error, moejax.InputError)

@@ -171,3 +171,23 @@ def test_resume_takes_the_changes_deepseek_v3_makes_mid_run(straight, tmp_path):
     assert [r["step"] for r in got] == [21, 22, 23, 24]
     assert len({r["router_bias_norm"] for r in got}) == 1  # rate 0: the bias no longer moves
     assert all(r["lr"] <= 1e-4 for r in got)
+
+
+def test_context_extension_starts_from_a_training_checkpoint(straight, tmp_path):
+    """checkpoint.init_from=WORKDIR/checkpoints/STEP with YaRN switched on and a longer sequence (what
+    configs/deepseek_v3_671b_context.py does after pre-training): step 0 holds the trained weights, so the
+    first loss is the trained model's, far below a random model's ln(264) = 5.58; a model field that context
+    extension does not change is refused with exit 2, naming it."""
+    trained = straight / "checkpoints" / "30"
+    extend = ["--config.model.rope_scaling=yarn", "--config.model.yarn.factor=2.0",
+              "--config.model.yarn.original_max_position=32", "--config.train.seq_len=64",
+              "--config.train.steps=2", f"--config.checkpoint.init_from={trained}"]
+    proc = run(tmp_path / "ctx", *extend, cache=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed" not in proc.stdout
+    first = records(tmp_path / "ctx")[0]
+    assert first["step"] == 1 and first["loss"] < 0.8 * losses(straight)[1], (first["loss"], losses(straight)[1])
+    proc = run(tmp_path / "bad", *extend, "--config.model.n_kv_heads=2", cache=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
+    assert "model.n_kv_heads is 0 in the weights, 2 in the config" in proc.stderr
+    assert not (tmp_path / "bad" / "config.json").exists()

@@ -57,14 +57,24 @@ def get_config():
 '''
 
 
+def is_training_checkpoint(directory) -> bool:
+    """A step of a training run's checkpoints (WORKDIR/checkpoints/STEP: orbax items state/, meta/, config/)."""
+    return (Path(directory) / "state").is_dir() and (Path(directory) / "config" / "metadata").is_file()
+
+
 def check_weights_dir(directory):
-    """checkpoint.init_from names a weights directory (for validation before anything compiles)."""
-    if not (Path(directory) / "weights").is_dir():
-        raise CheckpointFormatError(f"checkpoint.init_from={str(directory)!r} is not a weights directory "
-                                    "(moejax-convert import writes one: config.json + weights/)")
+    """checkpoint.init_from names a weights directory or a training checkpoint (validation before compile)."""
+    if not (Path(directory) / WEIGHTS).is_dir() and not is_training_checkpoint(directory):
+        raise CheckpointFormatError(f"checkpoint.init_from={str(directory)!r} is neither a weights directory "
+                                    "(moejax-convert import writes one: config.json + weights/) nor a training "
+                                    "checkpoint (WORKDIR/checkpoints/STEP)")
 
 
 def read_config(directory) -> ml_collections.ConfigDict:
+    """The config the weights were saved with: config.json of a weights directory, or the `config` item of a
+    training checkpoint (orbax's JSON item is the file config/metadata)."""
+    if is_training_checkpoint(directory):
+        return ml_collections.ConfigDict(json.loads((Path(directory) / "config" / "metadata").read_text()))
     path = Path(directory) / "config.json"
     if not path.is_file() or not (Path(directory) / WEIGHTS).is_dir():
         raise CheckpointFormatError(f"{directory}: not a moejax weights directory (needs config.json and {WEIGHTS}/)")

@@ -1,16 +1,21 @@
-"""Step 0 of a run that starts from a weights directory (`checkpoint.init_from`, written by
-`moejax-convert import`): parameters and router bias restored straight onto the mesh, a fresh optimizer."""
+"""Step 0 of a run that starts from saved weights (`checkpoint.init_from`): a weights directory (written by
+`moejax-convert import`) or another run's training checkpoint (WORKDIR/checkpoints/STEP, e.g. pre-training
+continued by context extension). Parameters and router bias are restored straight onto the mesh; the
+optimizer starts afresh."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
+import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
 from moejax.config.changes import Continuation, changed_fields
 from moejax.errors import InputError
 from moejax.interop.safetensors_io import CheckpointFormatError
-from moejax.interop.weights_dir import load_weights, read_config
+from moejax.interop.weights_dir import is_training_checkpoint, load_weights, read_config
 from moejax.program.state import TrainState, abstract_state, state_shardings
 
 
@@ -34,11 +39,28 @@ def init_state_from_weights(cfg, tx, mesh: Mesh, directory) -> tuple[TrainState,
                                        + (f" (and {len(mismatch) - 1} more)" if len(mismatch) > 1 else ""))
         abstract = abstract_state(cfg, tx)
         shardings = state_shardings(abstract, mesh)
-        params, model_state = load_weights(directory, abstract.params, abstract.model_state,
-                                           (shardings.params, shardings.model_state))
+        if is_training_checkpoint(directory):
+            params, model_state = _restore_weights_of_checkpoint(directory, abstract, shardings)
+        else:
+            params, model_state = load_weights(directory, abstract.params, abstract.model_state,
+                                               (shardings.params, shardings.model_state))
     except CheckpointFormatError as e:
         raise CheckpointFormatError(f"checkpoint.init_from: {e}") from None
     with jax.set_mesh(mesh):
         opt_state = jax.jit(tx.init, out_shardings=shardings.opt_state)(params)
     step = jax.device_put(jnp.zeros((), jnp.int32), shardings.step)
     return TrainState(step=step, params=params, model_state=model_state, opt_state=opt_state), shardings
+
+
+def _restore_weights_of_checkpoint(directory, abstract: TrainState, shardings) -> tuple:
+    """(params, model_state) of a training checkpoint's `state` item. The item is restored whole (its optimizer
+    moments too, sharded like the parameters, then dropped): orbax restores a saved pytree against a target of
+    the same structure."""
+    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    with ocp.StandardCheckpointer() as checkpointer:
+        try:
+            restored = checkpointer.restore(Path(directory).absolute() / "state", target)
+        except (ValueError, KeyError, FileNotFoundError) as e:
+            raise CheckpointFormatError(f"{directory}: the checkpoint does not match the model "
+                                        f"({str(e).strip().splitlines()[0][:200]})") from None
+    return restored.params, restored.model_state
