@@ -1,8 +1,11 @@
 # Two commands do all the set-up on a fresh machine with Python 3.11+:
 #   make train   -> virtualenv, install, train configs/tiny.py on the embedded corpus (8 emulated CPU devices)
 #   make test    -> virtualenv, install with test extras, run the suite on the emulated 8-device mesh
+# CI also runs `make test-newest`: the suite on the newest jax, which needs Python >= 3.12 (PY_NEWEST).
 PY ?= python3
 VENV ?= .venv
+PY_NEWEST ?= $(shell for p in python3.13 python3.12 $$HOME/.pyenv/versions/3.12*/bin/python; do "$$p" -c 'import sys; assert sys.version_info >= (3, 12)' >/dev/null 2>&1 && { command -v "$$p"; break; }; done)
+VENV_NEWEST ?= .venv-newest
 WORKDIR ?= runs/tiny
 CONFIG ?= configs/tiny.py
 CPU_MESH = XLA_FLAGS="$${XLA_FLAGS:-} --xla_force_host_platform_device_count=8"
@@ -13,7 +16,17 @@ $(VENV)/.installed: pyproject.toml
 	# A CPU build of torch first (the tests only need it on CPU; this machine image ships 2.13.0's wheel,
 	# and an unconstrained resolve would pull a multi-GB CUDA build). Any torch>=2.4 works.
 	$(VENV)/bin/python -m pip install -q 'torch==2.13.0' || $(VENV)/bin/python -m pip install -q 'torch>=2.4'
-	$(VENV)/bin/python -m pip install -q -e '.[test]'
+	$(VENV)/bin/python -m pip install -q -e '.[test,hf]'
+	touch $@
+
+# The newest jax/flax a fresh `pip install` gets (Python 3.12+). torch has no CPU wheel on this machine for 3.12
+# and PyPI's is a multi-GB CUDA build, so the `hf` extra is left out: the transformers comparisons skip here
+# and run in `make test`.
+$(VENV_NEWEST)/.installed: pyproject.toml
+	@test -n "$(PY_NEWEST)" || { echo "make test-newest: no Python >= 3.12 found; set PY_NEWEST=/path/to/python3.12" >&2; exit 2; }
+	$(PY_NEWEST) -m venv $(VENV_NEWEST)
+	$(VENV_NEWEST)/bin/python -m pip install -q --upgrade pip
+	$(VENV_NEWEST)/bin/python -m pip install -q -e '.[test]'
 	touch $@
 
 install: $(VENV)/.installed
@@ -24,7 +37,11 @@ train: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest -n 2 tests
 
+test-newest: $(VENV_NEWEST)/.installed
+	$(VENV_NEWEST)/bin/python -c "import jax, flax; print('newest: jax', jax.__version__, 'flax', flax.__version__)"
+	$(VENV_NEWEST)/bin/python -m pytest -n 2 tests
+
 bench: $(VENV)/.installed
 	$(VENV)/bin/python benchmarks/train_step.py --config $(CONFIG)
 
-.PHONY: install train test bench
+.PHONY: install train test test-newest bench

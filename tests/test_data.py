@@ -111,6 +111,17 @@ def test_token_ids_beyond_the_vocab_are_refused():
         next(BatchIterator(batches))
 
 
+def test_why_ids_are_checked_an_id_beyond_the_table_embeds_as_nan():
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from moejax.model.layers import Embed
+
+    embed = Embed(264, 8, rngs=nnx.Rngs(0), std=0.02)
+    out = np.asarray(embed(jnp.array([[5, 300]]), jnp.float32))
+    assert np.isfinite(out[0, 0]).all() and np.isnan(out[0, 1]).all()
+
+
 def test_eval_batches_fixed():
     src = [source(np.arange(1000, dtype=np.uint16), eval_tokens=np.arange(1000, dtype=np.uint16))]
     kw = dict(seq_len=10, global_batch=4, n_batches=3, vocab_size=1 << 16)

@@ -32,7 +32,7 @@ class ProcessSlice:
     Contiguous slices (not every p-th row) make the global batch the same whatever the process count, so a
     2-process run trains on exactly what the 1-process run trains on; and they line up with
     `jax.make_array_from_process_local_data`, where process p's devices hold batch rows p*L..(p+1)*L.
-    Every batch's ids are checked against the vocabulary (the embedding would silently clamp them).
+    Every batch's ids are checked against the vocabulary (an id beyond the table gives a NaN embedding row: jnp.take fills out-of-range rows).
     """
 
     def __init__(self, rows, global_batch: int, process_index: int, process_count: int, vocab_size: int):

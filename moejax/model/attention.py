@@ -15,7 +15,7 @@ def attention_core(q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, segment_ids_BxL, scale: floa
     """softmax(q k^T * scale) v, causal, and within one document when segment ids are given.
 
     jax.nn.dot_product_attention wants v's head dim equal to k's; MLA's is smaller (128 vs 192), so v is
-    zero-padded and the padding sliced off (on GPU the cuDNN flash kernel then applies unchanged).
+    zero-padded and the padding sliced off.
     """
     v_dim, qk_dim = v_BxLxGxV.shape[-1], q_BxLxHxK.shape[-1]
     if v_dim != qk_dim:
@@ -23,7 +23,8 @@ def attention_core(q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, segment_ids_BxL, scale: floa
     mask = None
     if segment_ids_BxL is not None:
         mask = (segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :])[:, None]  # [B, 1, Lq, Lk]
-    # XLA's reference attention; on GPU this lowers to cuDNN flash attention when dtype and mask allow.
+    # XLA's reference attention on every platform (implementation=None): a dense [B, H, L, L] score matrix.
+    # A fused kernel (cuDNN, tokamax) must be asked for by name.
     out = jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, mask=mask, is_causal=True, scale=scale)
     return out[..., :v_dim]
 

@@ -2,8 +2,9 @@
 
 Buffers arrive as [E_local, C, D]: each local expert owns C padded rows. Two backends compute the same thing:
   einsum      a batched einsum over the expert dim: one GEMM per expert, no wasted work (fast on CPU).
-  ragged_dot  `lax.ragged_dot` over the flattened rows with equal group sizes; on GPU/TPU XLA emits a
-              grouped GEMM, on CPU it becomes a dense masked matmul over all groups (E times the work).
+  ragged_dot  `lax.ragged_dot` over the flattened rows with equal group sizes; XLA:CPU runs it as a dense
+              masked matmul over all groups (E times the work), and XLA:GPU rewrites it into dense dots too
+              (seen in a deviceless H200 compile): a fused grouped GEMM needs a kernel library (tokamax).
 `auto` picks einsum for padded buffers: every group has the same size, so the batched einsum is the
 grouped GEMM. Dropless dispatch has ragged groups: there `auto` means a ragged grouped matmul on GPU/TPU
 (tokamax's kernel when that package is installed, else `lax.ragged_dot`) and the padded einsum on CPU.

@@ -1,7 +1,7 @@
 """Hardware descriptions as data: what one device can compute and hold, and what each link class moves.
 
 A topology is a set of NVLink domains (an NVL72 rack, an HGX node) joined by NICs. Per device: peak dense
-bf16/fp8 FLOP/s (the MFU denominators of DESIGN.md), HBM size and bandwidth. Per link class, the
+bf16/fp8 FLOP/s (the MFU denominators), HBM size and bandwidth. Per link class, the
 bandwidth one device gets each way: `nvlink` inside the domain, `nic` across domains. Sources: NVIDIA's
 datasheets (HBM, NVLink generation, NIC per GPU); numbers are nominal, not measured.
 """
