@@ -27,7 +27,9 @@ def get_config():
     e.d_ff_expert = 14336
     e.score_func = "softmax"
     e.norm_topk_prob = True
-    e.bias_update_rate = 0.0  # Mixtral balances with an auxiliary loss (router_aux_loss_coef 0.02)
+    e.bias_update_rate = 0.0  # Mixtral balances with an aux loss; no bias: top-k of the softmax, as HF
+    # config.json router_aux_loss_coef; the same loss as transformers' load_balancing_loss_func (once over
+    # all layers' router logits; tests/test_balance_loss_hf.py), so the HF value is used unconverted.
     e.batch_aux_loss_coef = 0.02
     e.seq_aux_loss_coef = 0.0
     c.mesh.data = 1

@@ -28,7 +28,9 @@ def get_config():
     e.d_ff_expert = 768
     e.score_func = "softmax"
     e.norm_topk_prob = True
-    e.bias_update_rate = 0.0  # Qwen3-MoE balances with a global-batch auxiliary loss (coef 1e-3)
+    e.bias_update_rate = 0.0  # Qwen3-MoE balances with an aux loss; no bias: top-k of the softmax, as HF
+    # config.json router_aux_loss_coef; the same loss as transformers' load_balancing_loss_func (once over
+    # all layers' router logits; tests/test_balance_loss_hf.py), so the HF value is used unconverted.
     e.batch_aux_loss_coef = 1e-3
     e.seq_aux_loss_coef = 0.0
     c.mesh.data = 1

@@ -25,5 +25,5 @@ def get_config():
     e.norm_topk_prob = True
     e.bias_update_rate = 0.0
     e.seq_aux_loss_coef = 0.0
-    e.batch_aux_loss_coef = 0.02
+    e.batch_aux_loss_coef = 0.02  # transformers' router_aux_loss_coef, as in mixtral_8x7b.py
     return c

@@ -25,5 +25,5 @@ def get_config():
     e.norm_topk_prob = True
     e.bias_update_rate = 0.0
     e.seq_aux_loss_coef = 0.0
-    e.batch_aux_loss_coef = 1e-3
+    e.batch_aux_loss_coef = 1e-3  # transformers' router_aux_loss_coef, as in qwen3_moe_30b_a3b.py
     return c

@@ -24,9 +24,9 @@ def reference_routing(p, x_BxLxD, moe_cfg):
     probs = scores / jnp.sum(scores, -1, keepdims=True)
     f = jnp.sum(chosen, axis=1) * n_experts / (moe_cfg.top_k * x_BxLxD.shape[1])
     seq_aux = jnp.mean(jnp.sum(f * jnp.mean(probs, axis=1), -1))
-    # Batch-wise: loads and probabilities over all tokens at once.
-    f_all = jnp.sum(chosen, axis=(0, 1)) * n_experts / (moe_cfg.top_k * chosen.shape[0] * chosen.shape[1])
-    batch_aux = jnp.sum(f_all * jnp.mean(probs, axis=(0, 1)))
+    # Batch-wise, one layer of transformers' load_balancing_loss_func: E * sum_e (fraction of all tokens whose
+    # top-k includes e) * (mean probability of e over all tokens).
+    batch_aux = n_experts * jnp.sum(jnp.mean(chosen, axis=(0, 1)) * jnp.mean(probs, axis=(0, 1)))
     return chosen, w, moe_cfg.seq_aux_loss_coef * seq_aux + moe_cfg.batch_aux_loss_coef * batch_aux
 
 

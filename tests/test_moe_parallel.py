@@ -37,8 +37,10 @@ def make_moe(cfg, seed):
 
 def moejax_value_and_grad(graphdef):
     def loss(state, x, cotangent):
-        y, stats = nnx.merge(graphdef, state)(x)
-        return jnp.sum(y * cotangent) + stats.aux_loss, (y, stats)
+        moe = nnx.merge(graphdef, state)
+        y, stats = moe(x)
+        # The batch-wise term is model-wide (lm_loss adds it); for one layer it is the layer's own value.
+        return jnp.sum(y * cotangent) + stats.aux_loss + moe.batch_aux_loss_coef * stats.batch_aux_loss, (y, stats)
 
     return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
 

@@ -84,7 +84,9 @@ def default_config() -> ml_collections.ConfigDict:
     e.capacity_factor = 2.0  # <= 0 means worst case: no token is ever dropped
     e.dropless_recv_factor = 0.0  # dropless receive buffer: <= 0 worst case, else x the balanced load
     e.seq_aux_loss_coef = 1e-4  # DeepSeek-V3 sequence-wise balance loss (alpha)
-    e.batch_aux_loss_coef = 0.0  # the same balance loss over the whole global batch (Switch/GShard style)
+    # transformers' router_aux_loss_coef, same definition: load_balancing_loss_func over every MoE layer's tokens
+    # of the global batch together (Switch/Mixtral/Qwen3-MoE), once per pass
+    e.batch_aux_loss_coef = 0.0
     e.z_loss_coef = 0.0
     e.bias_update_rate = 1e-3  # aux-loss-free balancing; 0 disables it
 

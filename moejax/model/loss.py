@@ -2,6 +2,10 @@
 
 Targets are masked where they belong to another document than their input (packed rows) and, for MTP depth
 k, in the last k positions, whose target lies beyond the sequence. Means are over unmasked targets.
+
+The batch-wise balance loss is transformers' `load_balancing_loss_func` (Mixtral, Qwen3-MoE), so
+`moe.batch_aux_loss_coef` is their `router_aux_loss_coef`: computed once per forward pass over every MoE
+layer's tokens together (MTP modules' MoE blocks count as further layers), not summed over layers.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from moejax.model.transformer import shift_left
 class LossParts(NamedTuple):
     ce: jax.Array  # main next-token cross-entropy (nats per target)
     mtp_ce_D: jax.Array  # [mtp_depth] cross-entropy of each MTP module
-    aux: jax.Array  # weighted MoE balance losses, summed over layers
+    aux: jax.Array  # weighted MoE balance losses: per-layer seq/z terms summed, plus the model-wide batch term
     stats: MoEStats | None
 
 
@@ -39,6 +43,30 @@ def _target_mask(segment_ids_BxL1, k: int):
     return same_doc & in_row[None, :]
 
 
+def batch_balance_loss(router_load_RxE, router_prob_RxE):
+    """Per-row terms of transformers' `load_balancing_loss_func` over all R router rows together (the MoE
+    layers, then the MTP modules' MoE blocks); their mean is that function's value on the concatenated logits:
+
+        loss = E * sum_e F_e * P_e,  F_e = fraction of all rows' tokens whose top-k includes e (sums to top_k),
+                                     P_e = mean probability of e over all rows' tokens.
+
+    Every row routes the same B*L tokens, so the means over all rows' tokens are the means over rows of the
+    per-row means (MoEStats.router_load_E / router_prob_E, mesh-wide). Row r's term E * sum_e F_e * p_re
+    carries the whole gradient of row r's router (the loads are counts, not differentiable). The loss is
+    top_k at perfect balance.
+    """
+    load_E = jnp.mean(jax.lax.stop_gradient(router_load_RxE), axis=0)
+    return router_load_RxE.shape[-1] * jnp.sum(load_E * router_prob_RxE, axis=-1)
+
+
+def with_batch_balance(stats: MoEStats, coef: float) -> MoEStats:
+    """Stats with the model-wide batch-wise balance loss filled in: batch_aux_loss holds each row's term (mean
+    over rows = the unweighted loss) and aux_loss gains coef * term / R (sum over rows = the weighted total)."""
+    rows_R = batch_balance_loss(stats.router_load_E, stats.router_prob_E)
+    aux = stats.aux_loss + coef * rows_R / rows_R.shape[0] if coef else stats.aux_loss
+    return stats._replace(batch_aux_loss=rows_R, aux_loss=aux)
+
+
 def lm_loss(model, tokens_BxL1, segment_ids_BxL1=None, *, mtp_weight: float = 0.0):
     """(total loss, LossParts). tokens_BxL1 holds L inputs and their L next-token targets (L + 1 tokens)."""
     segments = segment_ids_BxL1 if segment_ids_BxL1 is not None else jnp.zeros_like(tokens_BxL1)
@@ -52,5 +80,8 @@ def lm_loss(model, tokens_BxL1, segment_ids_BxL1=None, *, mtp_weight: float = 0.
             mtp_ce.append(masked_cross_entropy(out.mtp_logits_DxBxLxV[k - 1], targets, _target_mask(segments, k)))
         # DeepSeek-V3 eq. 25: lambda / D * sum_k L_MTP^k.
         total = total + mtp_weight / len(mtp_ce) * sum(mtp_ce)
-    aux = jnp.sum(out.stats.aux_loss) if out.stats is not None else jnp.float32(0)
-    return total + aux, LossParts(ce, jnp.stack(mtp_ce) if mtp_ce else jnp.zeros((0,), jnp.float32), aux, out.stats)
+    stats, aux = out.stats, jnp.float32(0)
+    if stats is not None:
+        stats = with_batch_balance(stats, float(model.moe_layers.ffn.batch_aux_loss_coef))
+        aux = jnp.sum(stats.aux_loss)
+    return total + aux, LossParts(ce, jnp.stack(mtp_ce) if mtp_ce else jnp.zeros((0,), jnp.float32), aux, stats)

@@ -14,15 +14,25 @@ from moejax.parallel import dispatch
 
 
 class MoEStats(NamedTuple):
-    """Per-layer statistics; the scan over layers stacks them to [n_moe_layers, ...]."""
+    """Per-layer statistics; the scan over layers stacks them to [n_moe_layers, ...].
 
-    aux_loss: jax.Array  # weighted sum of the balance losses, added to the training loss
+    The batch-wise balance loss is transformers' `load_balancing_loss_func`, a product of means over the
+    tokens of ALL layers together, so one layer cannot compute its share: the layer reports its loads and
+    mean probabilities, and `loss.lm_loss` computes the loss once for the whole model and fills in
+    `batch_aux_loss` and the batch-wise part of `aux_loss` (see `loss.batch_balance_loss`).
+    """
+
+    aux_loss: jax.Array  # weighted balance losses; from lm_loss, sum over rows = the whole weighted aux term
     seq_aux_loss: jax.Array
+    # Unweighted batch-wise balance loss. From the layer alone: this layer's own value (a one-layer model's
+    # loss); from lm_loss: this row's term, whose mean over rows is the model's loss.
     batch_aux_loss: jax.Array
     z_loss: jax.Array
     tokens_per_expert_E: jax.Array
     dropped: jax.Array
     assignments: jax.Array
+    router_load_E: jax.Array  # fraction of the global batch's tokens routed to each expert (sums to top_k)
+    router_prob_E: jax.Array  # mean routing probability of each expert over the global batch (sums to 1)
 
 
 class MoE(nnx.Module):
@@ -42,7 +52,7 @@ class MoE(nnx.Module):
         self.drop_policy = moe_cfg.drop_policy
         self.recv_factor = float(moe_cfg.dropless_recv_factor)
         self.seq_aux_loss_coef = float(moe_cfg.seq_aux_loss_coef)
-        self.batch_aux_loss_coef = float(moe_cfg.batch_aux_loss_coef)
+        self.batch_aux_loss_coef = float(moe_cfg.batch_aux_loss_coef)  # applied model-wide by loss.lm_loss
         self.z_loss_coef = float(moe_cfg.z_loss_coef)
 
     def __call__(self, x_BxLxD):
@@ -60,8 +70,11 @@ class MoE(nnx.Module):
             backend=self.backend, recv_factor=self.recv_factor,
         )
         out = shared_BxLxD + routed_TxD.reshape(batch, seq, dim)
-        aux = (self.seq_aux_loss_coef * routing.seq_aux_loss + self.batch_aux_loss_coef * routing.batch_aux_loss
-               + self.z_loss_coef * routing.z_loss)
-        stats = MoEStats(aux, routing.seq_aux_loss, routing.batch_aux_loss, routing.z_loss,
-                         dstats.tokens_per_expert_E, dstats.dropped, dstats.assignments)
+        # The mesh-wide selection counts (before any drop) as fractions of the global batch's tokens.
+        load_E = jax.lax.stop_gradient(dstats.tokens_per_expert_E) / (batch * seq)
+        own_batch_aux = load_E.shape[-1] * jnp.sum(load_E * routing.prob_E)
+        # The batch-wise term is model-wide: lm_loss adds it (batch_aux_loss_coef) once for all layers.
+        aux = self.seq_aux_loss_coef * routing.seq_aux_loss + self.z_loss_coef * routing.z_loss
+        stats = MoEStats(aux, routing.seq_aux_loss, own_batch_aux, routing.z_loss,
+                         dstats.tokens_per_expert_E, dstats.dropped, dstats.assignments, load_E, routing.prob_E)
         return out, stats

@@ -25,7 +25,7 @@ class Routing(NamedTuple):
     expert_idx_BxLxK: jax.Array
     expert_w_BxLxK: jax.Array  # f32 combine weights
     seq_aux_loss: jax.Array  # unweighted sequence-wise balance loss
-    batch_aux_loss: jax.Array  # unweighted balance loss over the whole batch
+    prob_E: jax.Array  # mean routing probability of each expert over every token of the global batch
     z_loss: jax.Array  # unweighted router z-loss
 
 
@@ -79,8 +79,8 @@ class Router(nnx.Module):
         chosen_BxLxE = jnp.sum(jax.nn.one_hot(expert_idx_BxLxK, n_experts, dtype=jnp.float32), axis=-2)
         f_BxE = jnp.sum(chosen_BxLxE, axis=1) * n_experts / (self.top_k * seq_len)
         seq_aux = jnp.mean(jnp.sum(f_BxE * p_BxE, axis=-1))
-        # Batch-wise: the same product with loads and probabilities over every token of the global batch
-        # (under GSPMD the means are mesh-wide reductions). 1.0 at perfect balance.
-        batch_aux = jnp.sum(jnp.mean(f_BxE, axis=0) * jnp.mean(p_BxE, axis=0))
+        # For the batch-wise loss (loss.batch_balance_loss, transformers' load_balancing_loss_func): the mean
+        # probability of each expert over every token of the global batch (under GSPMD a mesh-wide reduction).
+        prob_E = jnp.mean(p_BxE, axis=0)
         z_loss = jnp.mean(jax.nn.logsumexp(logits_BxLxE, axis=-1) ** 2)
-        return Routing(expert_idx_BxLxK, weights, seq_aux, batch_aux, z_loss)
+        return Routing(expert_idx_BxLxK, weights, seq_aux, prob_E, z_loss)
