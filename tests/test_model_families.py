@@ -121,12 +121,12 @@ def test_packed_documents_do_not_see_each_other(make_config):
 
 
 def test_mtp_targets_are_masked_at_the_row_end_and_across_documents():
-    from moejax.model.loss import _target_mask
+    from moejax.model.loss import target_mask
 
     segments = jnp.asarray([[0, 0, 0, 1, 1, 1, 1]])  # 6 inputs + 1 target
-    np.testing.assert_array_equal(_target_mask(segments, 0)[0], [1, 1, 0, 1, 1, 1])
-    np.testing.assert_array_equal(_target_mask(segments, 1)[0], [1, 0, 0, 1, 1, 0])
-    np.testing.assert_array_equal(_target_mask(segments, 2)[0], [0, 0, 0, 1, 0, 0])
+    np.testing.assert_array_equal(target_mask(segments, 0)[0], [1, 1, 0, 1, 1, 1])
+    np.testing.assert_array_equal(target_mask(segments, 1)[0], [1, 0, 0, 1, 1, 0])
+    np.testing.assert_array_equal(target_mask(segments, 2)[0], [0, 0, 0, 1, 0, 0])
 
 
 def test_deepseek_v3_small_trains_with_mla_and_mtp(tmp_path):

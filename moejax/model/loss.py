@@ -34,7 +34,7 @@ def masked_cross_entropy(logits_BxLxV, targets_BxL, mask_BxL):
     return jnp.sum(nll_BxL * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
-def _target_mask(segment_ids_BxL1, k: int):
+def target_mask(segment_ids_BxL1, k: int):
     """Targets for depth k (target token i + 1 + k for input i) that are inside the row and the same document."""
     batch, seq1 = segment_ids_BxL1.shape
     seq = seq1 - 1
@@ -71,13 +71,13 @@ def lm_loss(model, tokens_BxL1, segment_ids_BxL1=None, *, mtp_weight: float = 0.
     """(total loss, LossParts). tokens_BxL1 holds L inputs and their L next-token targets (L + 1 tokens)."""
     segments = segment_ids_BxL1 if segment_ids_BxL1 is not None else jnp.zeros_like(tokens_BxL1)
     out = model(tokens_BxL1[:, :-1], None if segment_ids_BxL1 is None else segment_ids_BxL1[:, :-1])
-    ce = masked_cross_entropy(out.logits_BxLxV, tokens_BxL1[:, 1:], _target_mask(segments, 0))
+    ce = masked_cross_entropy(out.logits_BxLxV, tokens_BxL1[:, 1:], target_mask(segments, 0))
     total = ce
     mtp_ce = []
     if out.mtp_logits_DxBxLxV is not None:
         for k in range(1, out.mtp_logits_DxBxLxV.shape[0] + 1):
             targets = shift_left(tokens_BxL1[:, 1:], k)
-            mtp_ce.append(masked_cross_entropy(out.mtp_logits_DxBxLxV[k - 1], targets, _target_mask(segments, k)))
+            mtp_ce.append(masked_cross_entropy(out.mtp_logits_DxBxLxV[k - 1], targets, target_mask(segments, k)))
         # DeepSeek-V3 eq. 25: lambda / D * sum_k L_MTP^k.
         total = total + mtp_weight / len(mtp_ce) * sum(mtp_ce)
     stats, aux = out.stats, jnp.float32(0)

@@ -10,7 +10,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from moejax.model.loss import _target_mask, lm_loss
+from moejax.model.loss import lm_loss, target_mask
 from moejax.parallel.mesh import batch_sharding
 from moejax.program.optim import apply_learning_rate, lr_schedule
 from moejax.program.state import TrainState
@@ -59,7 +59,7 @@ def _micro(x_BxL, n: int):
 def _valid_targets_H(segments_BxL1, n_heads: int):
     """[heads] count of the targets each head is trained on (main head, then MTP depths 1..D): the loss's own
     masks (another document, past the row end)."""
-    return jnp.stack([jnp.sum(_target_mask(segments_BxL1, k).astype(jnp.float32)) for k in range(n_heads)])
+    return jnp.stack([jnp.sum(target_mask(segments_BxL1, k).astype(jnp.float32)) for k in range(n_heads)])
 
 
 def _accumulate(state, graphdef, tokens_BxL1, segments_BxL1, mtp_weight, mtp_depth: int, n: int):
