@@ -59,8 +59,10 @@ def test_dry_run_and_plan_refuse_bad_input_before_compiling(devices):
         moejax.dry_run(cfg, 64)
     with pytest.raises(moejax.InputError, match="the dry run needs 64 devices"):
         moejax.dry_run(moejax.load_config(TINY, {"train.global_batch": 64}), 64)  # jax already runs 8 here
-    with pytest.raises(moejax.ConfigError, match="a mesh axis is -1"):
-        moejax.dry_run(cfg)
+    # With an axis of -1 the dry run's device count is the smallest multiple of the other axes' product >= 8.
+    assert api.mesh_device_count(cfg.mesh) == 8
+    assert api.mesh_device_count(moejax.load_config(TINY, {"mesh.expert": 32}).mesh) == 32
+    assert api.mesh_device_count(moejax.load_config(TINY, {"mesh.data": 3, "mesh.expert": 1}).mesh) == 3
     with pytest.raises(TopologyError):
         moejax.plan(cfg, topology="nope", gpus=[8])
     with pytest.raises(moejax.InputError, match="efficiency"):

@@ -103,7 +103,12 @@ def test_moe_block_matches_dense_reference(shape, mode, backend, score_func, dev
     for path, g in jax.tree_util.tree_leaves_with_path(g_state):
         if "bias_E" in jax.tree_util.keystr(path):
             continue  # not a trained parameter (stop_gradient); the reference differentiates it
-        np.testing.assert_allclose(g, flat_ref[path], rtol=1e-4, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+        # A weight gradient sums over every token: an element near zero carries the rounding error of a sum of
+        # large terms (the single-device f32 reference is the inexact one there, as float64 shows), so the
+        # absolute tolerance follows the leaf's scale.
+        ref = np.asarray(flat_ref[path])
+        np.testing.assert_allclose(g, ref, rtol=1e-4, atol=1e-5 * max(1.0, float(np.abs(ref).max())),
+                                   err_msg=jax.tree_util.keystr(path))
     np.testing.assert_array_equal(stats.tokens_per_expert_E, ref_counts)
     assert float(stats.dropped) == 0.0
     assert float(stats.assignments) == BATCH * SEQ * cfg.top_k
