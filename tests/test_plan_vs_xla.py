@@ -1,9 +1,13 @@
 """The planner against the compiler: for three layouts of a medium MoE config compiled (abstract state,
-nothing allocated) on the emulated 8-device mesh, the predicted per-device memory is within 15% of XLA's
+nothing allocated) on the emulated 8-device mesh, the predicted per-device memory is within 10% of XLA's
 memory analysis and the predicted collective bytes per step within 5% of those read from the compiled HLO
-(loops unrolled by their trip counts). Plus the HLO reader and the CLI's error paths."""
+(loops unrolled by their trip counts). Memory also where the saved residuals alone fall short: dropless
+dispatch at expert parallelism 4 (receive buffers of ep x T x min(K, E_local) rows) and a DeepSeek-V3-shaped
+model (MLA, MTP) with a large vocabulary at sequence 256 (logits and log-softmax per head, [B, H, L, L]
+scores of the reference attention). Plus the HLO reader and the CLI's error paths."""
 
 import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -34,7 +38,7 @@ def test_planner_agrees_with_the_compiled_step(devices, layout):
 
     r = dry_run(medium_config(*layout), 8)
     xla, plan = r["xla"], r["plan"]
-    assert abs(plan["memory_bytes"] / xla["memory_bytes"] - 1) < 0.15, (plan["memory"], xla)
+    assert abs(plan["memory_bytes"] / xla["memory_bytes"] - 1) < 0.10, (plan["memory"], xla)
     hlo_total = sum(xla["collective_bytes"].values())
     planned_total = sum(plan["collective_bytes"].values())
     assert abs(planned_total / hlo_total - 1) < 0.05, (plan["collective_bytes"], xla["collective_bytes"])
@@ -42,6 +46,32 @@ def test_planner_agrees_with_the_compiled_step(devices, layout):
         if n > 0.01 * hlo_total:
             assert abs(plan["collective_bytes"].get(kind, 0) / n - 1) < 0.05, (kind, plan, xla)
     assert plan["collective_bytes_by_link"]["nic"] == xla["collective_bytes_by_link"]["nic"] == 0
+
+
+def dropless_config():
+    c = medium_config(2, 1, 4, 1)
+    c.moe.dispatch = "dropless"
+    return c
+
+
+def deepseek_config():
+    c = runpy.run_path(str(ROOT / "configs" / "deepseek_v3_small.py"))["get_config"]()
+    c.model.vocab_size, c.model.remat = 16384, "full"
+    c.train.global_batch, c.train.seq_len = 16, 256
+    c.mesh.data, c.mesh.fsdp, c.mesh.expert, c.mesh.tensor = 2, 1, 4, 1
+    return c
+
+
+@pytest.mark.parametrize("make", [dropless_config, deepseek_config], ids=["dropless-expert4", "deepseek-v3-small-v16k"])
+def test_planner_memory_where_residuals_fall_short(devices, make):
+    """Before the dispatch buffers had their expert-parallel factor and the loss and attention transients
+    were counted, the planner was 50% (dropless) and 44% (DeepSeek-shaped) under XLA here. Collective bytes
+    are not compared: XLA:CPU runs dropless as a dense emulation of the ragged exchange."""
+    from moejax.planner.dry_run import dry_run
+
+    r = dry_run(make(), 8)
+    xla, plan = r["xla"], r["plan"]
+    assert abs(plan["memory_bytes"] / xla["memory_bytes"] - 1) < 0.12, (plan["memory"], xla)
 
 
 def test_hlo_loops_multiply_and_groups_parse():

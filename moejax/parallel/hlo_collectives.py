@@ -4,6 +4,9 @@ device groups, and how often one run of the program executes it. The one HLO col
 GSPMD-inserted collectives exist only in the compiled text, not in the lowered StableHLO. Bytes are per
 device: the buffer each collective fills (all-to-all, all-gather: the result; reduce-scatter: its input, the
 result times the group size; all-reduce: the result). Async pairs are counted once, at their -start op.
+Bytes are also split by the element type the collective moves (`Collective.by_dtype`, `bytes_by_dtype`):
+the compiled program's, which need not be the model's (XLA:CPU's float-normalization-bf16 pass widens bf16
+collectives to f32, with converts before and after, so a CPU compile moves bf16 traffic at 2x its bytes).
 
 A training step's layers run inside while loops: `collectives` walks the call graph from ENTRY and multiplies
 each computation by the known trip counts of the loops around it (`bytes_per_step`), while
@@ -47,18 +50,23 @@ class Collective:
     groups: tuple[tuple[int, ...], ...]  # device ids that communicate together
     count: int  # executions per program run: the product of the enclosing loops' trip counts
     op_name: str  # jax's name for the op that produced it (metadata), for reports
+    by_dtype: tuple[tuple[str, int], ...] = ()  # `bytes` split by HLO element type, e.g. (("f32", n),)
 
 
-def _bytes(shapes: str) -> int:
-    total = 0
+def _bytes_by_dtype(shapes: str) -> dict[str, int]:
+    out: dict[str, int] = defaultdict(int)
     for m in _SHAPE.finditer(shapes):
         if m["dtype"] not in _DTYPE_BYTES:
             continue
         n = 1
         for d in filter(None, m["dims"].split(",")):
             n *= int(d)
-        total += n * _DTYPE_BYTES[m["dtype"]]
-    return total
+        out[m["dtype"]] += n * _DTYPE_BYTES[m["dtype"]]
+    return dict(out)
+
+
+def _bytes(shapes: str) -> int:
+    return sum(_bytes_by_dtype(shapes).values())
 
 
 def _ints(text: str) -> list[int]:
@@ -158,11 +166,12 @@ def collectives(hlo_text: str) -> list[Collective]:
         if not m or "-done(" in line or comp is None or times.get(comp, 0) == 0:
             continue
         groups = replica_groups(line, n_devices)
-        size = _bytes(m["result"])
+        by_dtype = _bytes_by_dtype(m["result"])
         if m["kind"] == "reduce-scatter":
-            size *= len(groups[0])
+            by_dtype = {t: n * len(groups[0]) for t, n in by_dtype.items()}
         name = n["name"] if (n := _OP_NAME.search(line)) else ""
-        out.append(Collective(m["kind"], size, groups, times[comp], name))
+        out.append(Collective(m["kind"], sum(by_dtype.values()), groups, times[comp], name,
+                              tuple(sorted(by_dtype.items()))))
     return out
 
 
@@ -172,6 +181,15 @@ def bytes_per_step(colls: list[Collective]) -> dict[str, int]:
     for c in colls:
         out[c.kind] += c.bytes * c.count
     return dict(out)
+
+
+def bytes_by_dtype(colls: list[Collective]) -> dict[str, dict[str, int]]:
+    """{kind: {HLO element type: bytes per device}} over one run of the program, loops unrolled."""
+    out: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for c in colls:
+        for dtype, n in c.by_dtype:
+            out[c.kind][dtype] += n * c.count
+    return {kind: dict(d) for kind, d in out.items()}
 
 
 def collective_bytes(hlo_text: str) -> dict[str, int]:

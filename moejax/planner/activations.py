@@ -1,54 +1,190 @@
-"""Activation memory per device, from what the real model saves for its backward pass.
+"""Activation memory per device, from the real model traced on abstract inputs (nothing is allocated).
 
-`saved_residuals` traces the loss (forward + the residuals autodiff keeps) on abstract inputs of one
-device's micro-batch, under the config's remat policy: the scan over layers saves its per-layer residuals
-stacked, so their sizes come out of the model itself (MHA, GQA, MLA, MoE buffers, logits), nothing is
-hard-coded. The trace has no mesh, so the MoE path sizes its buffers for one device's tokens, as each device
-does on a mesh. Residuals that are not of hidden size (attention heads, FFN intermediates) are split over
-`tensor`; the hidden-size ones (the residual stream, norms) are replicated over it.
+Three terms, each from `saved_residuals` (the residuals autodiff keeps for the backward) of the real code,
+so MHA/GQA/MLA/MoE/MTP need no formulas:
+
+  saved       the loss under the config's remat policy: what the forward keeps for the backward. The scan
+              over layers saves its per-layer residuals stacked, so their sizes come out of the model itself.
+  layer       one block's transient: what the backward of a remat'd block rematerialises and holds until its
+              backward consumes it, i.e. the block's residuals without remat minus those the policy saved
+              (largest block kind: dense or MoE; an MTP module's block is a MoE block). Under the XLA
+              reference attention (`jax.nn.dot_product_attention`'s default) this holds the [B, H, L, L]
+              scores and probabilities; for the MoE it holds the dispatch buffers and expert activations.
+  logits      the loss over the vocabulary, until a fused loss lands: [micro_batch, seq, vocab] logits in
+              f32 and their f32 log-softmax for every head (main + each MTP module: the model returns all
+              heads' logits before the loss reads them), and in the backward one head's f32 cotangent of the
+              log-softmax (the scatter at the targets) and its logits' gradient in the compute dtype. The
+              log-softmax is a saved residual, moved here from `saved` so that it is counted once.
+
+`layer` and `logits` are transients of different phases (the loss, the layers' backward): the peak holds
+the larger of the two.
+
+Expert parallelism: the trace runs under an abstract mesh with the layout's `expert` axis (every other axis
+1) and ep x micro_batch sequences, so the MoE code sizes its buffers as it does on ep devices (a dropless
+receive buffer holds ep x T x min(K, E_local) rows, allgather gathers the group's tokens) instead of as if
+ep were 1. Every residual is then a global array split over `expert` (the batch, or shard_map's per-device
+residuals stacked), so a device's share is bytes / ep. Residuals that are not of hidden size (attention
+heads, FFN intermediates, vocabulary) are split over `tensor`; the hidden-size ones (the residual stream,
+norms) are replicated over it. A residual of a parameter's shape is that weight in the compute dtype (its
+cast, kept for the backward: the LM head's under any policy, every layer's without remat): it counts at the
+weight's per-device shard gathered over fsdp (split over expert and tensor as the weight is).
+
+Routed experts run as the target platform runs them (`moe.backend` auto): on GPU a dropless layer is one
+ragged grouped matmul over the received rows; on CPU (the dry run) it is a padded [E_local, rows, D] einsum.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import AbstractMesh, AxisType
 
+from moejax.config import MESH_AXES
 from moejax.model.loss import lm_loss
+from moejax.model.transformer import Block, _remat
+from moejax.planner.state_shapes import state_leaves
 from moejax.program.state import create_model
 
+Residual = tuple[tuple[int, ...], int]  # (global shape, itemsize)
 
-@functools.lru_cache(maxsize=64)
-def _residuals(cfg_json: str, micro_batch: int, seq_len: int, remat: str) -> tuple[tuple[tuple[int, ...], int], ...]:
-    import ml_collections
-    from jax._src.ad_checkpoint import saved_residuals  # public as jax.ad_checkpoint.print_saved_residuals
 
-    cfg = ml_collections.ConfigDict(json.loads(cfg_json))
-    cfg.model.remat = remat
-    graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: create_model(cfg, 0)), nnx.Param, ...)
+@dataclass(frozen=True)
+class ActivationBytes:
+    saved: int  # kept by the forward for the backward, all layers (policy's residuals, log-softmax excluded)
+    layer: int  # one block's rematerialised internals during its backward
+    logits: int  # the loss over the vocabulary (logits, log-softmax, one head's gradient)
 
-    def loss(params, rest, tokens):
-        return lm_loss(nnx.merge(graphdef, params, rest), tokens)[0]
+    @property
+    def transient(self) -> int:
+        return max(self.layer, self.logits)
 
-    tokens = jax.ShapeDtypeStruct((micro_batch, seq_len + 1), jnp.int32)
+
+def trace_config(cfg, *, remat: str, dispatch: str | None = None, platform: str = "gpu"):
+    """The config as traced: the remat policy and dispatch mode of the layout, and the routed-expert
+    backend `auto` resolves to on the platform (gmm.resolve_backend: ragged_dot for dropless on GPU)."""
+    c = cfg.copy_and_resolve_references()
+    with c.unlocked():
+        c.model.remat = remat
+        if dispatch:
+            c.moe.dispatch = dispatch
+        if c.moe.backend == "auto" and c.moe.dispatch == "dropless" and platform in ("gpu", "tpu"):
+            c.moe.backend = "ragged_dot"
+    return c
+
+
+def _mesh(expert: int):
+    sizes = {a: (expert if a == "expert" else 1) for a in MESH_AXES}
+    return AbstractMesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def _collect(residuals, skip=lambda aval, source: False) -> tuple[Residual, ...]:
     out = []
-    for aval, source in saved_residuals(loss, params, rest, tokens):
-        if "from the argument" in source:
+    for aval, source in residuals:
+        if "from the argument" in source or skip(aval, source):
             continue  # parameters and the batch: counted as state, not activations
         out.append((tuple(aval.shape), aval.dtype.itemsize))
     return tuple(out)
 
 
-def activation_bytes(cfg, micro_batch: int, seq_len: int, remat: str, tensor: int = 1) -> int:
-    """Bytes per device the forward pass keeps for the backward pass."""
-    d_model = int(cfg.model.d_model)
-    total = 0
-    for shape, itemsize in _residuals(cfg.to_json_best_effort(sort_keys=True), micro_batch, seq_len, remat):
+def _is_log_softmax(aval, source: str) -> bool:
+    return "log_softmax" in source and "masked_cross_entropy" in source
+
+
+@functools.lru_cache(maxsize=256)
+def _saved(cfg_json: str, micro_batch: int, seq_len: int, expert: int) -> tuple[Residual, ...]:
+    import ml_collections
+    from jax._src.ad_checkpoint import saved_residuals  # public as jax.ad_checkpoint.print_saved_residuals
+
+    cfg = ml_collections.ConfigDict(json.loads(cfg_json))
+    graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: create_model(cfg, 0)), nnx.Param, ...)
+
+    def loss(params, rest, tokens):
+        return lm_loss(nnx.merge(graphdef, params, rest), tokens, mtp_weight=float(cfg.model.mtp_loss_weight))[0]
+
+    tokens = jax.ShapeDtypeStruct((micro_batch * expert, seq_len + 1), jnp.int32)
+    with jax.sharding.use_abstract_mesh(_mesh(expert)):
+        return _collect(saved_residuals(loss, params, rest, tokens), skip=_is_log_softmax)
+
+
+@functools.lru_cache(maxsize=256)
+def _block(cfg_json: str, moe: bool, micro_batch: int, seq_len: int, expert: int, remat: str) -> tuple[Residual, ...]:
+    """Residuals of one block under `remat`. The layer's weights are memory.layer_live's: parameters are
+    traced in the compute dtype, so their casts are arguments, and the expert weights a shard_map passes
+    through as its own residuals (same shape and dtype as a parameter) are left out."""
+    import ml_collections
+    from jax._src.ad_checkpoint import saved_residuals
+
+    cfg = ml_collections.ConfigDict(json.loads(cfg_json))
+    cfg.model.param_dtype = cfg.model.dtype
+    graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: Block(cfg, moe=moe, rngs=nnx.Rngs(0))), nnx.Param, ...)
+    body = _remat(lambda block, x, positions: block(x, positions), remat)
+
+    def run(params, rest, x, positions):
+        y, stats = body(nnx.merge(graphdef, params, rest), x, positions)
+        return y, (stats.aux_loss if stats is not None else jnp.float32(0))
+
+    batch = micro_batch * expert
+    x = jax.ShapeDtypeStruct((batch, seq_len, int(cfg.model.d_model)), jnp.dtype(cfg.model.dtype))
+    positions = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
+    weights = {(tuple(p.shape), jnp.dtype(p.dtype)) for p in jax.tree.leaves(params)}
+    with jax.sharding.use_abstract_mesh(_mesh(expert)):
+        return _collect(saved_residuals(run, params, rest, x, positions),
+                        skip=lambda aval, source: (tuple(aval.shape), jnp.dtype(aval.dtype)) in weights)
+
+
+def _bytes(residuals, d_model: int, expert: int, tensor: int, weights=None) -> int:
+    """Per-device bytes of residuals traced on an abstract mesh of `expert` devices (module docstring)."""
+    total = weight_bytes = 0
+    gathered = {"data": 1, "fsdp": 1, "expert": expert, "tensor": tensor}
+    for shape, itemsize in residuals:
+        if weights and (leaf := weights.get(shape)) is not None:
+            weight_bytes += int(np.prod(leaf.local_shape(gathered))) * itemsize
+            continue
         n = int(np.prod(shape)) * itemsize
         total += n if (shape and shape[-1] == d_model) else -(-n // tensor)
-    return total
+    return -(-total // expert) + weight_bytes
 
+
+def activation_terms(cfg, micro_batch: int, seq_len: int, remat: str, *, tensor: int = 1, expert: int = 1,
+                     dispatch: str | None = None, platform: str = "gpu") -> ActivationBytes:
+    """Bytes per device: saved residuals, one block's transient, and the loss's logits (module docstring)."""
+    c = trace_config(cfg, remat=remat, dispatch=dispatch, platform=platform)
+    m = c.model
+    key = c.to_json_best_effort(sort_keys=True)
+    d_model = int(m.d_model)
+    n_moe_blocks = int(m.n_layers) - int(m.first_k_dense)
+    n_moe_blocks += int(m.get("mtp_depth", 0)) if n_moe_blocks else 0  # an MTP module's block is a MoE block
+    ep = expert if n_moe_blocks else 1  # no MoE layer: expert only splits the batch
+    weights = {leaf.shape: leaf for leaf in state_leaves(c)[0]}
+    # The whole model is traced once per micro-batch and policy (ep 1); what expert parallelism changes is
+    # inside the MoE blocks, whose residuals the scan saves per layer: add each block's change at ep (equal
+    # to tracing the whole model on the ep mesh, tests/test_planner_memory.py; a fraction of the time).
+    saved = _bytes(_saved(key, micro_batch, seq_len, 1), d_model, 1, tensor, weights)
+    if ep > 1:
+        saved += n_moe_blocks * (_bytes(_block(key, True, micro_batch, seq_len, ep, remat), d_model, ep, tensor)
+                                 - _bytes(_block(key, True, micro_batch, seq_len, 1, remat), d_model, 1, tensor))
+    layer = 0
+    kinds = [False] * (int(m.first_k_dense) > 0) + [True] * (int(m.n_layers) > int(m.first_k_dense))
+    if remat != "none":
+        for moe in kinds:
+            e = ep if moe else 1  # a dense block's per-device residuals do not depend on the expert axis
+            without = _bytes(_block(key, moe, micro_batch, seq_len, e, "none"), d_model, e, tensor)
+            kept = _bytes(_block(key, moe, micro_batch, seq_len, e, remat), d_model, e, tensor) if remat != "full" else 0
+            layer = max(layer, without - kept)
+    heads = 1 + int(m.get("mtp_depth", 0))
+    per_head = micro_batch * seq_len * -(-int(m.vocab_size) // tensor)
+    logits = per_head * (heads * (4 + 4) + 4 + jnp.dtype(m.dtype).itemsize)
+    return ActivationBytes(saved, layer, logits)
+
+
+def activation_bytes(cfg, micro_batch: int, seq_len: int, remat: str, tensor: int = 1, **kw) -> int:
+    """Bytes per device the step holds for activations at its peak: the saved residuals and the larger
+    transient (one block's backward or the loss)."""
+    a = activation_terms(cfg, micro_batch, seq_len, remat, tensor=tensor, **kw)
+    return a.saved + a.transient

@@ -17,6 +17,8 @@ The rules, per step (n_micro passes of forward + backward; layers' collectives r
                    forward (and its recompute); one whose output dim is split (column-parallel) all-reduces
                    its input gradient in the backward. Rows: the device's tokens, or E*C for expert weights
 Small collectives (losses, norms, router statistics: O(experts) floats) are left out.
+Each collective carries the element type it moves at the model's dtypes (HLO names: bf16, f32, s32), which is
+what a GPU moves; XLA:CPU widens bf16 collectives to f32 (see parallel/hlo_collectives.py).
 """
 
 from __future__ import annotations
@@ -39,10 +41,30 @@ class Traffic:
     bytes: int  # buffer bytes per device per execution
     count: int  # executions per step
     what: str
+    dtype: str = ""  # HLO element type moved (bf16, f32, s32; "" when mixed)
 
     @property
     def total(self) -> int:
         return self.bytes * self.count
+
+
+_HLO_TYPES = {"bfloat16": "bf16", "float32": "f32", "float16": "f16", "float64": "f64", "int32": "s32",
+              "int8": "s8", "uint8": "u8", "float8_e4m3fn": "f8e4m3fn", "float8_e5m2": "f8e5m2"}
+
+
+def hlo_type(dtype) -> str:
+    """numpy/jax dtype -> the element type HLO prints (bfloat16 -> bf16)."""
+    name = jnp.dtype(dtype).name
+    return _HLO_TYPES.get(name, name)
+
+
+def bytes_by_dtype(traffic: list[Traffic]) -> dict[str, dict[str, int]]:
+    """{kind: {HLO element type: bytes per step}}, hlo_collectives.bytes_by_dtype's shape."""
+    out: dict[str, dict[str, int]] = {}
+    for t in traffic:
+        kind = out.setdefault(t.kind, {})
+        kind[t.dtype] = kind.get(t.dtype, 0) + t.total
+    return out
 
 
 def _group(axes, sizes) -> tuple[str, ...]:
@@ -54,6 +76,7 @@ def step_traffic(cfg, layout: Layout, seq_len: int | None = None) -> list[Traffi
     sizes = layout.sizes
     m, e = cfg.model, cfg.moe
     act = jnp.dtype(m.dtype).itemsize
+    act_t, param_t = hlo_type(m.dtype), hlo_type(m.param_dtype)
     n_micro = max(1, cfg.train.global_batch // layout.batch_shards // layout.micro_batch)
     tokens = layout.micro_batch * seq  # per device per pass
     recompute = layout.remat != "none"
@@ -66,14 +89,19 @@ def step_traffic(cfg, layout: Layout, seq_len: int | None = None) -> list[Traffi
         passes = (4 + 2 * recompute) * n_moe * n_micro
         if layout.dispatch == "capacity":
             cap = capacity_per_expert(tokens, k, n_exp, float(e.capacity_factor))
-            out.append(Traffic("all-to-all", ("expert",), n_exp * cap * d * act, passes, "expert dispatch/combine"))
+            out.append(Traffic("all-to-all", ("expert",), n_exp * cap * d * act, passes, "expert dispatch/combine",
+                               act_t))
         elif layout.dispatch == "dropless":
-            out.append(Traffic("all-to-all", ("expert",), tokens * k * d * act, passes, "expert dispatch/combine (ragged)"))
+            out.append(Traffic("all-to-all", ("expert",), tokens * k * d * act, passes,
+                               "expert dispatch/combine (ragged)", act_t))
         else:
             gathered = ep * tokens
             per = (2 + recompute) * n_moe * n_micro  # forward (+ recompute) and the transposes
-            out.append(Traffic("all-gather", ("expert",), gathered * (d * act + 8 * k), per, "expert group's tokens"))
-            out.append(Traffic("reduce-scatter", ("expert",), gathered * d * act, per, "expert outputs"))
+            out.append(Traffic("all-gather", ("expert",), gathered * d * act, per, "expert group's tokens", act_t))
+            out.append(Traffic("all-gather", ("expert",), gathered * 4 * k, per, "expert group's routing ids", "s32"))
+            out.append(Traffic("all-gather", ("expert",), gathered * 4 * k, per, "expert group's routing weights",
+                               "f32"))
+            out.append(Traffic("reduce-scatter", ("expert",), gathered * d * act, per, "expert outputs", act_t))
 
     params, _, _ = state_leaves(cfg)
     tp = layout.tensor
@@ -82,24 +110,25 @@ def step_traffic(cfg, layout: Layout, seq_len: int | None = None) -> list[Traffi
         shard = leaf.local_bytes(sizes)
         if f > 1:
             gathers = (2 if leaf.stacked else 1) * n_micro
-            out.append(Traffic("all-gather", ("fsdp",), shard * f, gathers, f"fsdp gather {leaf.path}"))
+            out.append(Traffic("all-gather", ("fsdp",), shard * f, gathers, f"fsdp gather {leaf.path}", param_t))
         replicas = _group([a for a in BATCH_AXES if not leaf.sharded_over(a)], sizes)
         if leaf.expert:
             axes = _group([a for a in BATCH_AXES if a != "expert"], sizes)
             if axes:
-                out.append(Traffic("all-reduce", axes, shard * f, n_micro, f"grad sum {leaf.path}"))
+                out.append(Traffic("all-reduce", axes, shard * f, n_micro, f"grad sum {leaf.path}", param_t))
         else:
             if f > 1:
-                out.append(Traffic("all-reduce", ("fsdp",), shard * f, n_micro, f"grad sum (fsdp) {leaf.path}"))
+                out.append(Traffic("all-reduce", ("fsdp",), shard * f, n_micro, f"grad sum (fsdp) {leaf.path}",
+                                   param_t))
             if replicas:
-                out.append(Traffic("all-reduce", replicas, shard, n_micro, f"grad sum {leaf.path}"))
+                out.append(Traffic("all-reduce", replicas, shard, n_micro, f"grad sum {leaf.path}", param_t))
         if tp > 1 and leaf.sharded_over("tensor"):
             out += _tensor_traffic(leaf, tokens, n_exp * capacity_per_expert(tokens, k, n_exp, float(e.capacity_factor)),
-                                   act, layout, n_micro)
+                                   act, layout, n_micro, act_t)
     return out
 
 
-def _tensor_traffic(leaf, tokens, expert_rows, act, layout, n_micro) -> list[Traffic]:
+def _tensor_traffic(leaf, tokens, expert_rows, act, layout, n_micro, act_t="") -> list[Traffic]:
     lead = (1 if leaf.stacked else 0) + (1 if leaf.expert else 0)
     dims = list(range(lead, len(leaf.shape)))
     if not dims:
@@ -111,9 +140,9 @@ def _tensor_traffic(leaf, tokens, expert_rows, act, layout, n_micro) -> list[Tra
         width = leaf.shape[-1]
         again = layout.remat == "full" or (layout.remat == "dots" and leaf.expert)
         return [Traffic("all-reduce", ("tensor",), rows * width * act, (1 + again) * layers * n_micro,
-                        f"tensor fwd {leaf.path}")]
+                        f"tensor fwd {leaf.path}", act_t)]
     return [Traffic("all-reduce", ("tensor",), rows * leaf.shape[first] * act, layers * n_micro,
-                    f"tensor bwd {leaf.path}")]
+                    f"tensor bwd {leaf.path}", act_t)]
 
 
 def link_split(traffic: Traffic, sizes: dict[str, int], domain_size: int) -> tuple[int, int]:

@@ -3,6 +3,12 @@ state (ShapeDtypeStruct with shardings; nothing is allocated) and put XLA's per-
 collectives next to the planner's prediction for the same layout.
 
 The CLI sets the emulated device count (XLA_FLAGS) before jax is imported; this module only compiles.
+
+The planner's memory column follows the program compiled here (routed experts as the CPU runs them); its
+collective bytes are at the model's dtypes, which is what a GPU moves: XLA:CPU widens bf16 collectives to
+f32 (its float-normalization-bf16 pass puts converts around them), so a bf16 model's all-to-all shows 2x the
+bytes in the XLA column. Both columns are also broken down by the element type moved
+(`collective_bytes_by_dtype`).
 """
 
 from __future__ import annotations
@@ -14,10 +20,11 @@ import jax.numpy as jnp
 
 from moejax.config import validate
 from moejax.model.accounting import flops_per_token
-from moejax.parallel.hlo_collectives import collectives
+from moejax.parallel.hlo_collectives import bytes_by_dtype, collectives
 from moejax.parallel.mesh import batch_sharding, make_mesh
 from moejax.parallel.topology import TOPOLOGIES, get_topology
 from moejax.planner.comm import buffer_bytes_by_link, step_traffic
+from moejax.planner.comm import bytes_by_dtype as planned_bytes_by_dtype
 from moejax.planner.layout import Layout
 from moejax.planner.memory import estimate_memory
 from moejax.planner.predict import domain_size_for
@@ -60,24 +67,39 @@ def dry_run(cfg, n_devices: int) -> dict:
 
     layout = Layout(**sizes, remat=cfg.model.remat, micro_batch=cfg.train.global_batch // (sizes["data"] * sizes["fsdp"] * sizes["expert"]),
                     dispatch=cfg.moe.dispatch)
-    predicted_mem = estimate_memory(cfg, layout)
+    predicted_mem = estimate_memory(cfg, layout, platform="cpu")
     traffic = step_traffic(cfg, layout)
     pred_kinds: dict[str, int] = {}
     for t in traffic:
         pred_kinds[t.kind] = pred_kinds.get(t.kind, 0) + t.total
     tokens = cfg.train.global_batch * cfg.train.seq_len
+    xla_dtypes, plan_dtypes = bytes_by_dtype(colls), planned_bytes_by_dtype(traffic)
+    notes = []
+    widened = sorted(k for k, d in plan_dtypes.items()
+                     if d.get("bf16") and not xla_dtypes.get(k, {}).get("bf16") and xla_dtypes.get(k, {}).get("f32"))
+    if widened and jax.devices()[0].platform == "cpu":
+        ratios = ", ".join(f"{k} {xla_dtypes[k]['f32'] / 1e6:.2f} MB f32 = {xla_dtypes[k]['f32'] / plan_dtypes[k]['bf16']:.2f}x "
+                           f"the planner's {plan_dtypes[k]['bf16'] / 1e6:.2f} MB bf16" for k in widened)
+        notes.append("XLA:CPU moves bf16 collectives as f32 (its float-normalization-bf16 pass converts the "
+                     f"operands), so the XLA column counts them at 2x: {ratios}; the planner column is at the "
+                     "model's dtypes, what a GPU moves")
     return {
         "devices": n_devices, "mesh": sizes, "domain_size": domain, "layout": layout.name(),
-        "compile_s": compile_s,
+        "compile_s": compile_s, "platform": jax.devices()[0].platform, "notes": notes,
         "xla": {"memory_bytes": xla_bytes, "argument_bytes": mem.argument_size_in_bytes,
                 "output_bytes": mem.output_size_in_bytes, "alias_bytes": mem.alias_size_in_bytes,
                 "temp_bytes": mem.temp_size_in_bytes, "flops": float(cost.get("flops", 0.0)),
-                "collective_bytes": hlo_kinds, "collective_bytes_by_link": hlo_links},
+                "collective_bytes": hlo_kinds, "collective_bytes_by_dtype": xla_dtypes,
+                "collective_bytes_by_link": hlo_links},
         "plan": {"memory_bytes": predicted_mem.total, "memory": predicted_mem.to_dict(),
                  "model_flops_per_device": flops_per_token(cfg) * tokens / n_devices,
-                 "collective_bytes": pred_kinds,
+                 "collective_bytes": pred_kinds, "collective_bytes_by_dtype": plan_dtypes,
                  "collective_bytes_by_link": buffer_bytes_by_link(traffic, sizes, domain)},
     }
+
+
+def _dtypes(by_dtype: dict[str, int]) -> str:
+    return "+".join(sorted((t for t, n in by_dtype.items() if n), key=lambda t: -by_dtype[t])) or "-"
 
 
 def format_report(r: dict) -> str:
@@ -91,11 +113,16 @@ def format_report(r: dict) -> str:
         f"   (XLA: arguments {x['argument_bytes'] / gib:.3f} + temp {x['temp_bytes'] / gib:.3f}, outputs aliased)",
     ]
     for kind in sorted(set(x["collective_bytes"]) | set(p["collective_bytes"])):
+        types = ""
+        if "collective_bytes_by_dtype" in x:
+            types = (f"   (XLA {_dtypes(x['collective_bytes_by_dtype'].get(kind, {}))}, "
+                     f"planner {_dtypes(p['collective_bytes_by_dtype'].get(kind, {}))})")
         lines.append(f"  {kind + ' (MB/step)':28s} {x['collective_bytes'].get(kind, 0) / 1e6:12.2f} "
-                     f"{p['collective_bytes'].get(kind, 0) / 1e6:12.2f}")
+                     f"{p['collective_bytes'].get(kind, 0) / 1e6:12.2f}{types}")
     for link in ("nvlink", "nic"):
         lines.append(f"  {'on ' + link + ' (MB/step)':28s} {x['collective_bytes_by_link'][link] / 1e6:12.2f} "
                      f"{p['collective_bytes_by_link'][link] / 1e6:12.2f}")
     lines.append(f"  {'FLOPs (TFLOP/step)':28s} {x['flops'] / 1e12:12.4f} {p['model_flops_per_device'] / 1e12:12.4f}"
                  "   (XLA counts a scan body once; the planner column is model FLOPs for all layers)")
+    lines += [f"  note: {n}" for n in r.get("notes", ())]
     return "\n".join(lines)

@@ -4,7 +4,11 @@
   grads               one gradient per parameter in its dtype, at its size before the fsdp reduction
   clip_copy           optax's global-norm clip materialises the scaled gradient tree before Adam reads it
                       twice (mu and nu): one more gradient-sized buffer at the optimizer update
-  activations         what the forward saves for the backward under the remat policy (plan/activations.py)
+  activations         what the forward saves for the backward under the remat policy (planner/activations.py)
+  layer_transient     what one remat'd block rematerialises for its backward (attention scores of the XLA
+                      reference attention, MoE dispatch buffers at the layout's expert parallelism)
+  logits              the loss over the vocabulary: every head's logits and f32 log-softmax, one f32 gradient
+                      (the loss and the layers' backward are different phases: the peak holds the larger)
   layer_live          the layer being differentiated: its weights gathered over fsdp (compute dtype) and
                       their gradients before the fsdp reduction (param dtype)
 """
@@ -15,7 +19,7 @@ from dataclasses import asdict, dataclass
 
 import jax.numpy as jnp
 
-from moejax.planner.activations import activation_bytes
+from moejax.planner.activations import activation_terms
 from moejax.planner.layout import Layout
 from moejax.planner.state_shapes import state_leaves
 
@@ -27,6 +31,8 @@ class MemoryEstimate:
     grads: int
     clip_copy: int
     activations: int
+    layer_transient: int
+    logits: int
     layer_live: int
 
     @property
@@ -34,8 +40,19 @@ class MemoryEstimate:
         return self.params + self.opt_state
 
     @property
+    def backward(self) -> int:
+        """Beside the state during the backward: the gradients, the saved activations, the layer being
+        differentiated and the larger transient (one block's rematerialised internals, or the loss)."""
+        return self.grads + self.activations + self.layer_live + max(self.layer_transient, self.logits)
+
+    @property
+    def optimizer(self) -> int:
+        """Beside the state at the update: the gradients and the clipped copy (activations are freed)."""
+        return self.grads + self.clip_copy
+
+    @property
     def total(self) -> int:
-        return self.state + self.grads + self.clip_copy + self.activations + self.layer_live
+        return self.state + max(self.backward, self.optimizer)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "total": self.total}
@@ -53,7 +70,9 @@ def _largest_layer_bytes(params, sizes, compute_itemsize) -> int:
     return int(max(stacks.values(), default=0))
 
 
-def estimate_memory(cfg, layout: Layout, seq_len: int | None = None) -> MemoryEstimate:
+def estimate_memory(cfg, layout: Layout, seq_len: int | None = None, platform: str = "gpu") -> MemoryEstimate:
+    """Per-device memory of the layout; `platform` picks the routed-expert backend the trace follows (a dropless
+    layer is a ragged grouped matmul on GPU, a padded einsum on CPU: what the dry run compiles)."""
     seq = int(cfg.train.seq_len if seq_len is None else seq_len)
     sizes = layout.sizes
     params, model_state, opt = state_leaves(cfg)
@@ -63,11 +82,15 @@ def estimate_memory(cfg, layout: Layout, seq_len: int | None = None) -> MemoryEs
     # the sum (seen in the compiled HLO), so the backward holds gradients at that size.
     unreduced = sum(leaf.local_bytes(sizes, drop=("fsdp",)) for leaf in params)
     compute_itemsize = jnp.dtype(cfg.model.dtype).itemsize
+    act = activation_terms(cfg, layout.micro_batch, seq, layout.remat, tensor=layout.tensor, expert=layout.expert,
+                           dispatch=layout.dispatch, platform=platform)
     return MemoryEstimate(
         params=param_bytes,
         opt_state=sum(leaf.local_bytes(sizes) for leaf in opt),
         grads=unreduced,
         clip_copy=grads,
-        activations=activation_bytes(cfg, layout.micro_batch, seq, layout.remat, layout.tensor),
+        activations=act.saved,
+        layer_transient=act.layer,
+        logits=act.logits,
         layer_live=_largest_layer_bytes(params, sizes, compute_itemsize),
     )

@@ -1,7 +1,8 @@
 """Step time, throughput and TFLOP/s of a layout on a topology, and the ranked search over layouts.
 
 Time model (every assumption is listed by `assumptions()` and printed with the results):
-  compute   model FLOPs (Megatron-Core convention, plan's tokens) x recompute factor / (bf16 peak x efficiency)
+  compute   model FLOPs (Megatron-Core convention, plan's tokens) x recompute factor / (bf16 peak x efficiency);
+            the recompute factor of each remat policy is traced from the step (planner/recompute.py)
   exposed   expert all-to-all and tensor all-reduces sit on the critical path (the next matmul needs
             them); fsdp gathers and gradient sums overlap with compute and only their excess shows
   links     wire bytes of hierarchical collectives (comm.wire_bytes) over per-GPU NVLink / NIC bandwidth
@@ -17,8 +18,8 @@ from moejax.parallel.topology import Topology
 from moejax.planner.comm import buffer_bytes_by_link, step_traffic, wire_bytes
 from moejax.planner.layout import Layout
 from moejax.planner.memory import MemoryEstimate, estimate_memory
+from moejax.planner.recompute import recompute_factor
 
-RECOMPUTE = {"none": 1.0, "dots": 1.1, "full": 4 / 3}  # hardware FLOPs / model FLOPs
 CRITICAL = ("expert", "tensor")  # collectives over these axes are waited on, not overlapped
 
 
@@ -29,6 +30,7 @@ class Prediction:
     fits: bool
     buffer_bytes: dict  # per link class, per step (hlo_collectives' convention)
     wire_bytes: dict  # per link class, per step
+    recompute: float  # hardware FLOPs / model FLOPs of the layout's remat policy (traced)
     compute_s: float
     exposed_comm_s: float
     step_s: float
@@ -39,7 +41,7 @@ class Prediction:
     def to_dict(self) -> dict:
         return {"layout": self.layout.to_dict(), "name": self.layout.name(), "memory": self.memory.to_dict(),
                 "fits": self.fits, "buffer_bytes": self.buffer_bytes, "wire_bytes": self.wire_bytes,
-                "compute_s": self.compute_s, "exposed_comm_s": self.exposed_comm_s, "step_s": self.step_s,
+                "recompute": self.recompute, "compute_s": self.compute_s, "exposed_comm_s": self.exposed_comm_s, "step_s": self.step_s,
                 "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "tflops_per_gpu": self.tflops_per_gpu,
                 "mfu": self.mfu}
 
@@ -76,12 +78,13 @@ def predict(cfg, topo: Topology, layout: Layout, *, efficiency: float, domain_si
             overlap_s += seconds
     tokens_per_step = t.global_batch * seq
     model_flops = flops_per_token(cfg, seq) * tokens_per_step / n
-    compute_s = model_flops * RECOMPUTE[layout.remat] / (topo.peak_bf16 * efficiency)
+    recompute = recompute_factor(cfg, layout.remat, dispatch=layout.dispatch, seq_len=seq)
+    compute_s = model_flops * recompute / (topo.peak_bf16 * efficiency)
     exposed = critical_s + max(0.0, overlap_s - compute_s)
     step_s = compute_s + exposed
     tokens_per_s = tokens_per_step / step_s / n
     return Prediction(layout, memory, memory.total <= topo.hbm_bytes, buffer_bytes_by_link(traffic, layout.sizes, domain_size),
-                      wire, compute_s, exposed, step_s, tokens_per_s, model_flops / step_s / 1e12,
+                      wire, recompute, compute_s, exposed, step_s, tokens_per_s, model_flops / step_s / 1e12,
                       model_flops / step_s / topo.peak_bf16)
 
 
@@ -123,22 +126,37 @@ def rank(predictions: list[Prediction]) -> list[Prediction]:
     return sorted(predictions, key=lambda p: (not p.fits, p.step_s))
 
 
-def assumptions(topo: Topology, efficiency: float, domain_size: int) -> list[str]:
+def _recompute_text(cfg, remats, dispatches) -> str:
+    if cfg is None:
+        return "the remat policy's recompute factor"
+    parts = []
+    for dispatch in dispatches or (cfg.moe.dispatch,):
+        factors = ", ".join(f"{r} {recompute_factor(cfg, r, dispatch=dispatch):.3f}" for r in remats)
+        parts.append(f"{factors}" + (f" ({dispatch})" if len(dispatches or ()) > 1 else ""))
+    return ("the recompute factor traced from the step's matmuls (hardware / model FLOPs: " + "; ".join(parts)
+            + ")")
+
+
+def assumptions(topo: Topology, efficiency: float, domain_size: int, cfg=None, *, remats=REMAT_POLICIES,
+                dispatches=None) -> list[str]:
     return [
         f"hardware: {topo.name} ({topo.notes}); bf16 dense peak {topo.peak_bf16 / 1e12:.0f} TFLOP/s, "
         f"HBM {topo.hbm_bytes / 1e9:.0f} GB, NVLink {topo.nvlink_bw / 1e9:.0f} GB/s and NIC {topo.nic_bw / 1e9:.0f} GB/s "
         "per GPU each way (nominal)",
         f"NVLink domain used: {domain_size} GPUs (expert x tensor inside one domain, fsdp then data across)",
         f"compute: model FLOPs (Megatron-Core convention) at {efficiency:.0%} of the bf16 dense peak, times "
-        "the recompute factor (none 1.0, dots 1.1, full 4/3)",
+        + _recompute_text(cfg, remats, dispatches),
         "communication: NCCL-style hierarchical collectives (ring inside the domain, then 1/n_in of the data per "
         "GPU over its own NIC); expert all-to-all and tensor all-reduces are not overlapped with compute, fsdp "
         "gathers and gradient sums are overlapped and only their excess over compute shows",
         "dispatch bytes: capacity = E x C x D per exchange; dropless = the device's T x K routed rows (GPU ragged "
         "path); 4 exchanges per MoE layer per pass, 6 with recompute",
-        "memory: the train state at its sharded size (params and AdamW moments in model.param_dtype), one gradient "
-        "tree, one clipped-gradient copy, the residuals the remat policy saves for one micro-batch, and the "
-        "largest layer's gathered weights and unreduced gradients; no allocator fragmentation or NCCL buffers",
+        "memory: the train state at its sharded size (params and AdamW moments in model.param_dtype) plus the "
+        "larger of two phases: the backward (one gradient tree, the residuals the remat policy saves for one "
+        "micro-batch, the largest layer's gathered weights and unreduced gradients, and the larger transient: one "
+        "remat'd block's rematerialised internals (unfused [B, H, L, L] attention scores, MoE dispatch buffers "
+        "at the layout's expert parallelism) or the loss's f32 logits and log-softmax per head) and the update "
+        "(gradients and their clipped copy); no allocator fragmentation or NCCL buffers",
         "micro-batch below the per-device batch means gradient accumulation: run it with "
         "train.micro_batches = per-device batch / micro-batch (each pass re-gathers fsdp weights)",
         "not modelled: pipeline parallelism, FP8 GEMMs, communication/computation overlap inside the MoE layer "

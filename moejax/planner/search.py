@@ -23,7 +23,8 @@ def plan(cfg, topo: Topology, gpu_counts: list[int], *, efficiency: float, domai
                                    if best and base else None)
     return {"topology": topo.name, "efficiency": efficiency, "global_batch": int(cfg.train.global_batch),
             "seq_len": int(cfg.train.seq_len), "runs": runs,
-            "assumptions": assumptions(topo, efficiency, runs[0]["domain_size"] if runs else 0)}
+            "assumptions": assumptions(topo, efficiency, runs[0]["domain_size"] if runs else 0, cfg,
+                                       remats=remats, dispatches=dispatches)}
 
 
 def format_plan(result: dict) -> str:
