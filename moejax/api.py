@@ -107,6 +107,12 @@ def _has_device_count_flag() -> bool:
     return "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
 
 
+def _request_cpu_devices(n_devices: int) -> None:
+    """Asks for n_devices CPU devices (XLA_FLAGS; read when jax starts its backends, a no-op after)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n_devices}".strip()
+
+
 # --------------------------------------------------------------------------------------------- training
 
 
@@ -127,19 +133,18 @@ def prepare_training(cfg, workdir, *, coordinator: str | None = None, num_proces
     processes' agreement, the data and WORKDIR's checkpoints, then creates WORKDIR. Raises InputError
     before anything is written, DistributedError when the job cannot be joined."""
     import jax
+    from jax._src import xla_bridge  # backends_are_initialized: no public equivalent
 
     from moejax.data.sources import open_sources
     from moejax.training import distributed
     from moejax.training.checkpoint import check_resumable
-    from jax._src import xla_bridge  # backends_are_initialized: no public equivalent
 
     # A laptop just works: when jax has not started and no device count is set, ask for the config's mesh in
     # CPU devices. The flag only shapes the CPU backend, so on a GPU or TPU machine it changes nothing.
     emulated = 0
     if not xla_bridge.backends_are_initialized() and not _has_device_count_flag():
         emulated = mesh_device_count(cfg.mesh)
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                                   + f" --xla_force_host_platform_device_count={emulated}").strip()
+        _request_cpu_devices(emulated)
     distributed.initialize(coordinator, num_processes, process_id, init_timeout)
     if jax.devices()[0].platform != "cpu":
         emulated = 0
@@ -201,8 +206,7 @@ def emulate_cpu_devices(n_devices: int) -> None:
     from jax._src import xla_bridge  # backends_are_initialized: no public equivalent
 
     if not xla_bridge.backends_are_initialized():
-        flags = os.environ.get("XLA_FLAGS", "")
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n_devices}".strip()
+        _request_cpu_devices(n_devices)
         os.environ["JAX_PLATFORMS"] = "cpu"
         jax.config.update("jax_platforms", "cpu")
     if jax.device_count() < n_devices:
