@@ -96,17 +96,23 @@ def _is_log_softmax(aval, source: str) -> bool:
     return "log_softmax" in source and "masked_cross_entropy" in source
 
 
-@functools.lru_cache(maxsize=256)
-def _saved(cfg_json: str, micro_batch: int, seq_len: int, expert: int) -> tuple[Residual, ...]:
-    import ml_collections
-    from jax._src.ad_checkpoint import saved_residuals  # public as jax.ad_checkpoint.print_saved_residuals
-
-    cfg = ml_collections.ConfigDict(json.loads(cfg_json))
+def abstract_loss(cfg):
+    """(loss(params, rest, tokens), abstract params, abstract other model state) of the real model: what the
+    planner traces for saved residuals and recompute FLOPs (nothing is allocated)."""
     graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: create_model(cfg, 0)), nnx.Param, ...)
 
     def loss(params, rest, tokens):
         return lm_loss(nnx.merge(graphdef, params, rest), tokens, mtp_weight=float(cfg.model.mtp_loss_weight))[0]
 
+    return loss, params, rest
+
+
+@functools.lru_cache(maxsize=256)
+def _saved(cfg_json: str, micro_batch: int, seq_len: int, expert: int) -> tuple[Residual, ...]:
+    import ml_collections
+    from jax._src.ad_checkpoint import saved_residuals  # public as jax.ad_checkpoint.print_saved_residuals
+
+    loss, params, rest = abstract_loss(ml_collections.ConfigDict(json.loads(cfg_json)))
     tokens = jax.ShapeDtypeStruct((micro_batch * expert, seq_len + 1), jnp.int32)
     with jax.sharding.use_abstract_mesh(_mesh(expert)):
         return _collect(saved_residuals(loss, params, rest, tokens), skip=_is_log_softmax)
@@ -181,10 +187,3 @@ def activation_terms(cfg, micro_batch: int, seq_len: int, remat: str, *, tensor:
     per_head = micro_batch * seq_len * -(-int(m.vocab_size) // tensor)
     logits = per_head * (heads * (4 + 4) + 4 + jnp.dtype(m.dtype).itemsize)
     return ActivationBytes(saved, layer, logits)
-
-
-def activation_bytes(cfg, micro_batch: int, seq_len: int, remat: str, tensor: int = 1, **kw) -> int:
-    """Bytes per device the step holds for activations at its peak: the saved residuals and the larger
-    transient (one block's backward or the loss)."""
-    a = activation_terms(cfg, micro_batch, seq_len, remat, tensor=tensor, **kw)
-    return a.saved + a.transient

@@ -27,12 +27,9 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.extend import core as jcore
 
-from moejax.model.loss import lm_loss
-from moejax.planner.activations import trace_config
-from moejax.program.state import create_model
+from moejax.planner.activations import abstract_loss, trace_config
 
 
 def _matmul_flops(eqn) -> int | None:
@@ -88,12 +85,7 @@ def _step_flops(cfg_json: str, seq_len: int) -> int:
     """Matmul FLOPs of forward + backward of the loss for one sequence, under the config's remat policy."""
     import ml_collections
 
-    cfg = ml_collections.ConfigDict(json.loads(cfg_json))
-    graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: create_model(cfg, 0)), nnx.Param, ...)
-
-    def loss(params, rest, tokens):
-        return lm_loss(nnx.merge(graphdef, params, rest), tokens, mtp_weight=float(cfg.model.mtp_loss_weight))[0]
-
+    loss, params, rest = abstract_loss(ml_collections.ConfigDict(json.loads(cfg_json)))
     tokens = jax.ShapeDtypeStruct((1, seq_len + 1), jnp.int32)
     step = jax.make_jaxpr(lambda *args: jax.vjp(loss, *args)[1](jnp.float32(1.0)))(params, rest, tokens)
     return matmul_flops(step.jaxpr)
