@@ -30,6 +30,7 @@ import ml_collections
 
 from moejax.config import MESH_AXES, REMAT_POLICIES, ConfigError, validate
 from moejax.errors import InputError
+from moejax.kernels.resolve import apply_kernels, devices_platform
 
 
 # ---------------------------------------------------------------------------------------------- configs
@@ -125,6 +126,7 @@ class PreparedRun:
     mesh_sizes: dict[str, int]
     sources: list
     emulated_cpu_devices: int  # > 0: no accelerator was found and this many CPU devices emulate the mesh
+    kernels: str  # the kernels `auto` resolved to, as printed: "kernels on gpu: attention=tokamax_mosaic (auto), ..."
 
 
 def prepare_training(cfg, workdir, *, coordinator: str | None = None, num_processes: int | None = None,
@@ -155,6 +157,9 @@ def prepare_training(cfg, workdir, *, coordinator: str | None = None, num_proces
             raise ConfigError(f"{e} (one CPU device: set XLA_FLAGS=--xla_force_host_platform_device_count=8 to "
                               "emulate a mesh)") from None
         raise
+    # The mesh is built from all of jax.devices(): their platform picks the kernels, written into cfg so that
+    # config.json (and every process's agreement check below) names what runs.
+    kernels = apply_kernels(cfg, devices_platform(jax.devices()))
     workdir = Path(workdir)
     if workdir.exists() and not workdir.is_dir():
         raise InputError(f"--workdir {workdir} exists and is not a directory")
@@ -171,7 +176,7 @@ def prepare_training(cfg, workdir, *, coordinator: str | None = None, num_proces
         multihost_utils.sync_global_devices("moejax: workdir inspected")
     if jax.process_index() == 0:
         workdir.mkdir(parents=True, exist_ok=True)  # config.json is written once the checkpoint restored
-    return PreparedRun(cfg, workdir, mesh_sizes, sources, emulated)
+    return PreparedRun(cfg, workdir, mesh_sizes, sources, emulated, kernels)
 
 
 def run_training(run: PreparedRun) -> dict:

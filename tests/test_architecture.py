@@ -4,6 +4,7 @@ The layers, bottom first (README, "Architecture"):
 
     errors, units              leaves
     config                     schema, pure validation, the table of fields that may change between runs
+    kernels                    the hot-path kernels (attention, grouped GEMM, loss) and which one runs where
     data, parallel             the data pipeline; devices -> mesh, dispatch, topology, HLO reading
     model                      Flax modules (logical axis names only)
     interop                    Hugging Face / weights directories
@@ -29,6 +30,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "moejax"
 LAYERS = (
     ("errors", "units"),
     ("config",),
+    ("kernels",),
     ("data", "parallel"),
     ("model",),
     ("interop",),
@@ -123,7 +125,7 @@ def test_the_checker_sees_a_forbidden_import(tmp_path, monkeypatch):
     (fake / "__init__.py").write_text("")
     (fake / "config" / "__init__.py").write_text("def f():\n    from moejax.data.corpus import BYTE_VOCAB\n")
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
-    assert violations() == ["moejax.config -> moejax.data.corpus: config (layer 1) may not import data (layer 2)"]
+    assert violations() == ["moejax.config -> moejax.data.corpus: config (layer 1) may not import data (layer 3)"]
 
 
 def test_importing_moejax_does_not_start_jax():

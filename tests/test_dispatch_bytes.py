@@ -20,7 +20,7 @@ def compiled_forward_hlo(mode, devices, n_groups=1):
     c = default_config().moe
     c.n_routed_experts, c.top_k, c.d_ff_expert, c.n_shared_experts = E, K, 16, 1
     c.dispatch, c.capacity_factor, c.n_groups, c.topk_groups = mode, 1.5, n_groups, min(2, n_groups)
-    graphdef, state = nnx.split(MoE(D, c, rngs=nnx.Rngs(0), std=0.3))
+    graphdef, state = nnx.split(MoE(D, c, "einsum", rngs=nnx.Rngs(0), std=0.3))
     mesh = make_mesh(MESH, devices)
     state = jax.device_put(state, state_shardings(state, mesh))
     x = jax.device_put(jnp.ones((BATCH, SEQ, D)), batch_sharding(mesh))
@@ -68,7 +68,7 @@ def test_dropless_gpu_lowering_moves_only_routed_rows(devices):
 
     c = default_config().moe
     c.n_routed_experts, c.top_k, c.d_ff_expert, c.n_shared_experts, c.dispatch = E, K, 16, 1, "dropless"
-    graphdef, state = nnx.split(MoE(D, c, rngs=nnx.Rngs(0), std=0.3))
+    graphdef, state = nnx.split(MoE(D, c, "einsum", rngs=nnx.Rngs(0), std=0.3))
     mesh = make_mesh(MESH, devices)
     state = jax.device_put(state, state_shardings(state, mesh))
     x = jax.device_put(jnp.ones((BATCH, SEQ, D)), batch_sharding(mesh))

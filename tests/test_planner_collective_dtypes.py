@@ -28,7 +28,7 @@ def _traced_moe_step(devices):
     c = default_config().moe
     c.n_routed_experts, c.top_k, c.d_ff_expert, c.n_shared_experts = E, K, 16, 1
     c.dispatch, c.capacity_factor = "capacity", 1.5
-    graphdef, state = nnx.split(MoE(D, c, rngs=nnx.Rngs(0), std=0.3))
+    graphdef, state = nnx.split(MoE(D, c, "einsum", rngs=nnx.Rngs(0), std=0.3))
     mesh = make_mesh(MESH, devices)
     state = jax.device_put(state, state_shardings(state, mesh))
     x = jax.device_put(jnp.ones((BATCH, SEQ, D), jnp.bfloat16), batch_sharding(mesh))

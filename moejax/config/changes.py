@@ -31,6 +31,7 @@ CHECKED_GROUPS = ("model", "moe")
 MAY_CHANGE: dict[str, tuple[frozenset[Continuation], str]] = {
     "model.dtype": (_BOTH, "compute dtype; parameters stay in param_dtype"),
     "model.remat": (_BOTH, "what the backward pass recomputes, not what is computed"),
+    "model.grad_reduce_dtype": (_BOTH, "precision of the gradient reductions, not of the weights"),
     "model.param_dtype": (_INIT_FROM, "imported weights are cast; a resumed state keeps its saved dtype"),
     "model.init_std": (_INIT_FROM, "initialisation only; imported weights replace it"),
     "model.max_seq_len": (_INIT_FROM, "an upper bound checked against train.seq_len; no weight depends on it"),
@@ -52,7 +53,6 @@ MAY_CHANGE: dict[str, tuple[frozenset[Continuation], str]] = {
     # (capacity drops aside, which the user chooses).
     "moe.dispatch": (_BOTH, "dispatch algorithm"),
     "moe.drop_policy": (_BOTH, "which tokens capacity dispatch drops"),
-    "moe.backend": (_BOTH, "grouped-GEMM implementation"),
     "moe.capacity_factor": (_BOTH, "capacity dispatch buffer size"),
     "moe.dropless_recv_factor": (_BOTH, "dropless receive buffer size"),
     "moe.seq_aux_loss_coef": (_BOTH, "a loss coefficient"),

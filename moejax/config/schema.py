@@ -17,7 +17,10 @@ DTYPES = ("float32", "bfloat16")
 SCORE_FUNCS = ("sigmoid", "softmax")
 DISPATCH_MODES = ("capacity", "allgather", "dropless")
 DROP_POLICIES = ("position", "probability")
-GMM_BACKENDS = ("auto", "einsum", "ragged_dot")
+# Kernels (moejax/kernels/): `auto` resolves from the platform of the mesh's devices (kernels.resolve).
+ATTENTION_KERNELS = ("auto", "xla", "cudnn", "tokamax_mosaic", "tokamax_triton")
+EXPERT_GEMM_KERNELS = ("auto", "einsum", "ragged_dot", "tokamax")
+LOSS_KERNELS = ("auto", "dense", "chunked")
 REMAT_POLICIES = ("none", "full", "dots")
 ATTENTION_KINDS = ("gqa", "mla")  # gqa covers MHA (n_kv_heads == n_heads); mla is DeepSeek's latent attention
 ROPE_SCALINGS = ("none", "yarn")
@@ -64,6 +67,9 @@ def default_config() -> ml_collections.ConfigDict:
     m.norm_eps = 1e-6
     m.max_seq_len = 4096
     m.dtype = "float32"  # compute dtype; params stay in param_dtype
+    # dtype of the weight gradients' reductions over data/fsdp (README, "Mixed precision"): float32 keeps the
+    # sum of many bf16 partial gradients exact to f32; bfloat16 halves those bytes.
+    m.grad_reduce_dtype = "float32"
     m.param_dtype = "float32"
     m.remat = "full"
     m.init_std = 0.02
@@ -80,7 +86,6 @@ def default_config() -> ml_collections.ConfigDict:
     e.norm_topk_prob = True
     e.dispatch = "capacity"  # capacity: all-to-all of capacity-padded buffers; allgather: gather + reduce-scatter
     e.drop_policy = "position"  # over capacity, drop the latest tokens (position) or the lowest-weight ones
-    e.backend = "auto"
     e.capacity_factor = 2.0  # <= 0 means worst case: no token is ever dropped
     e.dropless_recv_factor = 0.0  # dropless receive buffer: <= 0 worst case, else x the balanced load
     e.seq_aux_loss_coef = 1e-4  # DeepSeek-V3 sequence-wise balance loss (alpha)
@@ -89,6 +94,14 @@ def default_config() -> ml_collections.ConfigDict:
     e.batch_aux_loss_coef = 0.0
     e.z_loss_coef = 0.0
     e.bias_update_rate = 1e-3  # aux-loss-free balancing; 0 disables it
+
+    # Which kernel runs each hot path (README, "Kernels"). auto: from the platform of the mesh's devices, printed
+    # at start and written resolved into WORKDIR/config.json; a kernel the platform cannot run is a ConfigError.
+    c.kernels = k = ml_collections.ConfigDict()
+    k.attention = "auto"  # cpu: xla; gpu: tokamax_mosaic (flash attention, MLA's 192/128 head dims, segments)
+    k.expert_gemm = "auto"  # equal groups (capacity, allgather): einsum; dropless: tokamax on gpu, einsum on cpu
+    k.loss = "auto"  # chunked: LM head + cross-entropy per chunk, no [B, L, V] logits; dense: whole logits
+    k.loss_chunk = 512  # chunked loss: sequence positions of every row per chunk
 
     c.mesh = ms = ml_collections.ConfigDict()
     ms.data = -1  # -1: whatever the other axes leave

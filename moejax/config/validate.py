@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from moejax.config.schema import (ATTENTION_KINDS, DISPATCH_MODES, DROP_POLICIES, DTYPES, GMM_BACKENDS, MESH_AXES,
+from moejax.config.schema import (ATTENTION_KINDS, DISPATCH_MODES, DROP_POLICIES, DTYPES, ATTENTION_KERNELS, EXPERT_GEMM_KERNELS, LOSS_KERNELS, MESH_AXES,
                                   REMAT_POLICIES, ROPE_SCALINGS, SCORE_FUNCS, ConfigError)
 
 
@@ -84,7 +84,13 @@ def validate(cfg, n_devices: int) -> dict[str, int]:
     _check_choice("moe.score_func", e.score_func, SCORE_FUNCS)
     _check_choice("moe.dispatch", e.dispatch, DISPATCH_MODES)
     _check_choice("moe.drop_policy", e.drop_policy, DROP_POLICIES)
-    _check_choice("moe.backend", e.backend, GMM_BACKENDS)
+    _check_choice("model.grad_reduce_dtype", m.grad_reduce_dtype, DTYPES)
+    k = cfg.kernels
+    _check_choice("kernels.attention", k.attention, ATTENTION_KERNELS)
+    _check_choice("kernels.expert_gemm", k.expert_gemm, EXPERT_GEMM_KERNELS)
+    _check_choice("kernels.loss", k.loss, LOSS_KERNELS)
+    if int(k.loss_chunk) <= 0:
+        raise ConfigError(f"kernels.loss_chunk={k.loss_chunk} must be positive (sequence positions per chunk)")
     if cfg.mesh.domain_size < 0:
         raise ConfigError(f"mesh.domain_size={cfg.mesh.domain_size} must be >= 0 (0: from the devices)")
     positive = {

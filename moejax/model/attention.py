@@ -3,36 +3,33 @@ Multi-head Latent Attention. Both take an optional document mask for packed sequ
 
 from __future__ import annotations
 
-import jax
+import functools
+
 import jax.numpy as jnp
 from flax import nnx
 
+from moejax.kernels.attention import attention as kernel_attention
+
 from moejax.model.layers import RMSNorm, dtype_of, param
 from moejax.model.rope import apply_rope, rope_spec, softmax_scale
+from moejax.parallel.mesh import map_over_batch_heads
 
 
-def attention_core(q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, segment_ids_BxL, scale: float):
-    """softmax(q k^T * scale) v, causal, and within one document when segment ids are given.
-
-    jax.nn.dot_product_attention wants v's head dim equal to k's; MLA's is smaller (128 vs 192), so v is
-    zero-padded and the padding sliced off.
-    """
-    v_dim, qk_dim = v_BxLxGxV.shape[-1], q_BxLxHxK.shape[-1]
-    if v_dim != qk_dim:
-        v_BxLxGxV = jnp.pad(v_BxLxGxV, [(0, 0)] * 3 + [(0, qk_dim - v_dim)])
-    mask = None
-    if segment_ids_BxL is not None:
-        mask = (segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :])[:, None]  # [B, 1, Lq, Lk]
-    # XLA's reference attention on every platform (implementation=None): a dense [B, H, L, L] score matrix.
-    # A fused kernel (cuDNN, tokamax) must be asked for by name.
-    out = jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, mask=mask, is_causal=True, scale=scale)
-    return out[..., :v_dim]
+def attention_core(q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, segment_ids_BxL, scale: float, kernel: str):
+    """Causal attention within documents by `kernel` (moejax/kernels/attention.py). XLA's reference is partitioned
+    by GSPMD like any XLA op; a fused kernel is a custom call GSPMD cannot split, so it runs inside shard_map on
+    each device's batch rows and heads."""
+    fn = functools.partial(kernel_attention, scale=scale, kernel=kernel)
+    if kernel == "xla":
+        return fn(q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, segment_ids_BxL)
+    return map_over_batch_heads(fn, q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, segment_ids_BxL)
 
 
 class GQAttention(nnx.Module):
     """Grouped-query attention: n_heads query heads share n_kv_heads key/value heads (MHA when equal)."""
 
-    def __init__(self, m, *, rngs: nnx.Rngs):
+    def __init__(self, m, kernel: str, *, rngs: nnx.Rngs):
+        self.kernel = kernel
         pdt, d, h, k = dtype_of(m.param_dtype), m.d_model, m.n_heads, m.head_dim
         g = m.n_kv_heads or m.n_heads
         std = m.init_std
@@ -55,7 +52,7 @@ class GQAttention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, positions_BxL, self.rope)
         k = apply_rope(k, positions_BxL, self.rope)
-        out_BxLxHxK = attention_core(q, k, v, segment_ids_BxL, self.scale)
+        out_BxLxHxK = attention_core(q, k, v, segment_ids_BxL, self.scale, self.kernel)
         return jnp.einsum("blhk,hkd->bld", out_BxLxHxK, self.w_o_HxKxD[...].astype(dt))
 
 
@@ -68,7 +65,8 @@ class MLAttention(nnx.Module):
     [q_nope, q_rope] . [k_nope, k_r] with DeepSeek's YaRN-corrected softmax scale.
     """
 
-    def __init__(self, m, *, rngs: nnx.Rngs):
+    def __init__(self, m, kernel: str, *, rngs: nnx.Rngs):
+        self.kernel = kernel
         pdt, d, h, std = dtype_of(m.param_dtype), m.d_model, m.n_heads, m.init_std
         n, r, v, c = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
         self.q_lora = bool(m.q_lora_rank)
@@ -106,10 +104,12 @@ class MLAttention(nnx.Module):
         k_rope_BxLx1xR = apply_rope(k_rope_BxLx1xR, positions_BxL, self.rope)
         k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope_BxLx1xR, (*k_nope.shape[:3], k_rope_BxLx1xR.shape[-1]))],
                             axis=-1)
-        out_BxLxHxV = attention_core(q, k, v, segment_ids_BxL, self.scale)
+        out_BxLxHxV = attention_core(q, k, v, segment_ids_BxL, self.scale, self.kernel)
         return jnp.einsum("blhv,hvd->bld", out_BxLxHxV, self.w_o_HxVxD[...].astype(dt))
 
 
-def make_attention(m, *, rngs: nnx.Rngs) -> nnx.Module:
-    """The attention kind the config names (config data, not model names, picks the family)."""
-    return MLAttention(m, rngs=rngs) if m.attention == "mla" else GQAttention(m, rngs=rngs)
+def make_attention(m, kernel: str, *, rngs: nnx.Rngs) -> nnx.Module:
+    """The attention kind the config names (config data, not model names, picks the family), computed by the
+    attention kernel `kernel` (resolved: kernels/resolve.py)."""
+    cls = MLAttention if m.attention == "mla" else GQAttention
+    return cls(m, kernel, rngs=rngs)

@@ -36,7 +36,7 @@ class MoEStats(NamedTuple):
 
 
 class MoE(nnx.Module):
-    def __init__(self, dim: int, moe_cfg, *, rngs: nnx.Rngs, std: float, param_dtype=jnp.float32):
+    def __init__(self, dim: int, moe_cfg, expert_gemm: str, *, rngs: nnx.Rngs, std: float, param_dtype=jnp.float32):
         n_experts, hidden = moe_cfg.n_routed_experts, moe_cfg.d_ff_expert
         self.router = Router(dim, moe_cfg, rngs=rngs, std=std, param_dtype=param_dtype)
         self.shared = (
@@ -47,7 +47,7 @@ class MoE(nnx.Module):
         self.w_up_ExDxF = param(rngs, (n_experts, dim, hidden), ("expert", "embed", "expert_mlp"), std=std, dtype=param_dtype)
         self.w_down_ExFxD = param(rngs, (n_experts, hidden, dim), ("expert", "expert_mlp", "embed"), std=std, dtype=param_dtype)
         self.capacity_factor = float(moe_cfg.capacity_factor)
-        self.backend = moe_cfg.backend
+        self.expert_gemm = expert_gemm  # resolved kernels.expert_gemm (moejax/kernels/grouped_gemm.py)
         self.mode = moe_cfg.dispatch
         self.drop_policy = moe_cfg.drop_policy
         self.recv_factor = float(moe_cfg.dropless_recv_factor)
@@ -67,7 +67,7 @@ class MoE(nnx.Module):
             routing.expert_w_BxLxK.reshape(batch * seq, -1),
             self.w_gate_ExDxF[...].astype(dt), self.w_up_ExDxF[...].astype(dt), self.w_down_ExFxD[...].astype(dt),
             capacity_factor=self.capacity_factor, mode=self.mode, drop_policy=self.drop_policy,
-            backend=self.backend, recv_factor=self.recv_factor,
+            gemm=self.expert_gemm, recv_factor=self.recv_factor,
         )
         out = shared_BxLxD + routed_TxD.reshape(batch, seq, dim)
         # The mesh-wide selection counts (before any drop) as fractions of the global batch's tokens.

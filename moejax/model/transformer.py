@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from moejax.kernels.resolve import resolve_kernels
 from moejax.model.attention import make_attention
 from moejax.model.layers import LAYERS_AXIS_METADATA, MLP, Embed, RMSNorm, dtype_of, param
 from moejax.model.moe import MoE, MoEStats
@@ -31,6 +32,14 @@ class ModelOutput(NamedTuple):
     stats: MoEStats | None
 
 
+class HiddenOutput(NamedTuple):
+    """What the LM head reads: the final-normed hidden states of the main model and of each MTP module."""
+
+    h_BxLxD: jax.Array
+    mtp_h_DxBxLxD: jax.Array | None  # [depth, B, L, D]; MTP depth k's row i predicts token i + 1 + k
+    stats: MoEStats | None
+
+
 class Block(nnx.Module):
     """Pre-norm block: x + attn(norm(x)), then x + ffn(norm(x)); ffn is a dense MLP or an MoE."""
 
@@ -38,10 +47,11 @@ class Block(nnx.Module):
         m = cfg.model
         pdt = dtype_of(m.param_dtype)
         self.attn_norm = RMSNorm(m.d_model, eps=m.norm_eps, param_dtype=pdt)
-        self.attn = make_attention(m, rngs=rngs)
+        kernels = resolve_kernels(cfg)
+        self.attn = make_attention(m, kernels["attention"], rngs=rngs)
         self.ffn_norm = RMSNorm(m.d_model, eps=m.norm_eps, param_dtype=pdt)
         if moe:
-            self.ffn = MoE(m.d_model, cfg.moe, rngs=rngs, std=m.init_std, param_dtype=pdt)
+            self.ffn = MoE(m.d_model, cfg.moe, kernels["expert_gemm"], rngs=rngs, std=m.init_std, param_dtype=pdt)
         else:
             self.ffn = MLP(m.d_model, m.d_ff, rngs=rngs, std=m.init_std, param_dtype=pdt)
         self.is_moe = moe
@@ -124,6 +134,9 @@ class Transformer(nnx.Module):
         pdt = dtype_of(m.param_dtype)
         self.dtype = dtype_of(m.dtype)
         self.remat = m.remat
+        # The loss kernel lm_loss runs over this model's LM head (kernels.loss; moejax/kernels/cross_entropy.py).
+        self.loss_kernel = resolve_kernels(cfg)["loss"]
+        self.loss_chunk = int(cfg.kernels.loss_chunk)
         self.n_dense = m.first_k_dense
         self.n_moe = m.n_layers - m.first_k_dense
         self.embed = Embed(m.vocab_size, m.d_model, rngs=rngs, std=m.init_std, param_dtype=pdt)
@@ -153,6 +166,12 @@ class Transformer(nnx.Module):
     def __call__(self, tokens_BxL, segment_ids_BxL=None) -> ModelOutput:
         """Logits in the compute dtype. With segment ids (packed documents), positions restart in each
         document and attention never crosses a document boundary."""
+        out = self.hidden(tokens_BxL, segment_ids_BxL)
+        mtp_logits = None if out.mtp_h_DxBxLxD is None else jnp.stack([self.logits(h) for h in out.mtp_h_DxBxLxD])
+        return ModelOutput(self.logits(out.h_BxLxD), mtp_logits, out.stats)
+
+    def hidden(self, tokens_BxL, segment_ids_BxL=None) -> HiddenOutput:
+        """The forward pass up to (not including) the LM head: what the loss kernels (model/loss.py) read."""
         batch, seq = tokens_BxL.shape
         if segment_ids_BxL is None:
             positions_BxL = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
@@ -164,16 +183,16 @@ class Transformer(nnx.Module):
         stats = None
         if self.moe_layers is not None:
             x_BxLxD, stats = _run_stack(self.moe_layers, x_BxLxD, positions_BxL, segment_ids_BxL, self.remat)
-        logits_BxLxV = self.logits(self.final_norm(x_BxLxD))
+        h_final_BxLxD = self.final_norm(x_BxLxD)
 
-        mtp_logits, mtp_stats = [], []
+        mtp_hidden, mtp_stats = [], []
         h_BxLxD = x_BxLxD
         run = _remat(lambda mod, h, e, p, s: mod(h, e, p, s), self.remat)
         for k, module in enumerate(self.mtp, start=1):
             next_emb = self.embed(shift_left(tokens_BxL, k), self.dtype)
             h_BxLxD, normed_BxLxD, s = run(module, h_BxLxD, next_emb, positions_BxL, segment_ids_BxL)
-            mtp_logits.append(self.logits(normed_BxLxD))
+            mtp_hidden.append(normed_BxLxD)
             if s is not None:
                 mtp_stats.append(s)
-        return ModelOutput(logits_BxLxV, jnp.stack(mtp_logits) if mtp_logits else None,
-                           _stack_stats(stats, mtp_stats))
+        return HiddenOutput(h_final_BxLxD, jnp.stack(mtp_hidden) if mtp_hidden else None,
+                            _stack_stats(stats, mtp_stats))

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from moejax.parallel import gmm
+from moejax.kernels import grouped_gemm
 from moejax.parallel.mesh import BATCH_AXES, EXPERT_AXIS, FFN_AXIS, current_mesh
 from moejax.parallel.routing_plan import combine_rows, dispatch_rows, make_plan
 
@@ -82,7 +82,7 @@ def _stats(counts_E, dropped, assignments, collective: bool) -> DispatchStats:
 
 
 def _capacity_moe(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, ffn_axis,
-                  n_experts, ep, capacity, backend, drop_policy, collective):
+                  n_experts, ep, capacity, gemm, drop_policy, collective):
     n_tokens, top_k = expert_idx_TxK.shape
     d_model = x_TxD.shape[-1]
     n_local = n_experts // ep
@@ -95,7 +95,7 @@ def _capacity_moe(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF,
         x_ExCxD = x_ExCxD.reshape(n_local, ep * capacity, d_model)
     else:
         x_ExCxD = buf_SxD.reshape(n_experts, capacity, d_model)
-    y_ExCxD = gmm.expert_ffn(x_ExCxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, backend=backend, ffn_axis=ffn_axis)
+    y_ExCxD = grouped_gemm.expert_ffn(x_ExCxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, kernel=gemm, ffn_axis=ffn_axis)
     if ep > 1:
         y_PxRxD = y_ExCxD.reshape(n_local, ep, capacity, d_model).transpose(1, 0, 2, 3)
         y_PxRxD = jax.lax.all_to_all(y_PxRxD.reshape(ep, n_local * capacity, d_model), EXPERT_AXIS, 0, 0)
@@ -108,7 +108,7 @@ def _capacity_moe(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF,
 
 
 def _allgather_moe(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, ffn_axis,
-                   n_experts, ep, capacity, backend, drop_policy, collective):
+                   n_experts, ep, capacity, gemm, drop_policy, collective):
     n_tokens, top_k = expert_idx_TxK.shape
     n_local = n_experts // ep
     if ep > 1:
@@ -126,8 +126,8 @@ def _allgather_moe(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF
     slot_A = jnp.where(plan.slot_A < n_slots, plan.slot_A, n_slots)
     src_S = plan.src_S[:n_slots]
     buf_SxD = dispatch_rows(x_all, slot_A, src_S, top_k)
-    y_ExCxD = gmm.expert_ffn(buf_SxD.reshape(n_local, capacity, -1), w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD,
-                             backend=backend, ffn_axis=ffn_axis)
+    y_ExCxD = grouped_gemm.expert_ffn(buf_SxD.reshape(n_local, capacity, -1), w_gate_ExDxF, w_up_ExDxF,
+                                      w_down_ExFxD, kernel=gemm, ffn_axis=ffn_axis)
     partial_out = combine_rows(y_ExCxD.reshape(n_slots, -1), w_all, slot_A, src_S)
     out_TxD = jax.lax.psum_scatter(partial_out, EXPERT_AXIS, scatter_dimension=0, tiled=True) if ep > 1 else partial_out
     # Every device counts drops among the gathered assignments to its own experts: summed over the
@@ -175,7 +175,7 @@ def _ragged_exchange(rows_NxD, input_offsets, send_sizes, output_offsets, recv_s
 
 
 def _dropless_moe(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, ffn_axis,
-                  n_experts, ep, capacity, backend, drop_policy, collective):
+                  n_experts, ep, capacity, gemm, drop_policy, collective):
     """Exact ragged exchange: only routed rows move. `capacity` here is the receive bound in rows."""
     n_tokens, top_k = expert_idx_TxK.shape
     n_assign = n_tokens * top_k
@@ -215,14 +215,14 @@ def _dropless_moe(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF,
     expert_R = jnp.sum(pos_R[:, None] >= ends_PxL[source_R], axis=1)
     expert_R = jnp.where(valid_R, expert_R, n_local)  # padding rows go to a virtual expert with no slots
     ones_R = jnp.ones_like(recv_rows[:, :1])  # combine weights of 1; varies like the rows (check_vma)
-    if gmm.resolve_backend(backend, ragged_groups=True) == "ragged_dot":
+    if gemm in ("ragged_dot", "tokamax"):
         # Rows sorted by local expert, one ragged grouped matmul: no padding at all.
         order_R = jnp.argsort(expert_R, stable=True).astype(jnp.int32)
         rank_R = jnp.argsort(order_R).astype(jnp.int32)
         sorted_rows = dispatch_rows(recv_rows, rank_R, order_R, 1)
         group_sizes = jnp.bincount(expert_R, length=n_local + 1)[:n_local].astype(jnp.int32)
-        y_sorted_R = gmm.ragged_expert_ffn(sorted_rows, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, group_sizes,
-                                           ffn_axis=ffn_axis)
+        y_sorted_R = grouped_gemm.ragged_expert_ffn(sorted_rows, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD,
+                                                    group_sizes, kernel=gemm, ffn_axis=ffn_axis)
         y_recv = combine_rows(y_sorted_R, ones_R.astype(y_sorted_R.dtype), rank_R, order_R)
     else:
         # Padded to [E_local, recv_bound, D] for the batched einsum (CPU: no E-times masked work).
@@ -230,8 +230,8 @@ def _dropless_moe(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF,
         n_slots = n_local * recv_bound
         slot_R = jnp.where(group_plan.slot_A < n_slots, group_plan.slot_A, n_slots)
         buf_SxD = dispatch_rows(recv_rows, slot_R, group_plan.src_S[:n_slots], 1)
-        y_ExCxD = gmm.expert_ffn(buf_SxD.reshape(n_local, recv_bound, -1), w_gate_ExDxF, w_up_ExDxF,
-                                 w_down_ExFxD, backend="einsum", ffn_axis=ffn_axis)
+        y_ExCxD = grouped_gemm.expert_ffn(buf_SxD.reshape(n_local, recv_bound, -1), w_gate_ExDxF, w_up_ExDxF,
+                                          w_down_ExFxD, kernel="einsum", ffn_axis=ffn_axis)
         y_recv = combine_rows(y_ExCxD.reshape(n_slots, -1), ones_R.astype(y_ExCxD.dtype), slot_R,
                               group_plan.src_S[:n_slots])
     # Back to the senders, into their sorted order, then to (token, k) and combine.
@@ -255,7 +255,7 @@ _MODES = {"capacity": _capacity_moe, "allgather": _allgather_moe, "dropless": _d
 
 def routed_experts(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *,
                    capacity_factor: float, mode: str = "capacity", drop_policy: str = "position",
-                   backend: str = "auto", recv_factor: float = 0.0):
+                   gemm: str = "einsum", recv_factor: float = 0.0):
     """Routed-expert output [T, D] for tokens x [T, D] and their top-k experts/weights [T, K]."""
     n_experts = w_gate_ExDxF.shape[0]
     top_k = expert_idx_TxK.shape[-1]
@@ -264,7 +264,7 @@ def routed_experts(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF
     if mesh is None:
         capacity = _buffer_rows(mode, x_TxD.shape[0], top_k, n_experts, 1, capacity_factor, recv_factor)
         return body_fn(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD,
-                       n_experts=n_experts, ep=1, capacity=capacity, backend=backend, drop_policy=drop_policy,
+                       n_experts=n_experts, ep=1, capacity=capacity, gemm=gemm, drop_policy=drop_policy,
                        collective=False, ffn_axis=None)
 
     ep = mesh.shape[EXPERT_AXIS]
@@ -283,7 +283,7 @@ def routed_experts(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF
     stats_spec = DispatchStats(P(), P(), P())
 
     def body(*args):
-        return body_fn(*args, n_experts=n_experts, ep=ep, capacity=capacity, backend=backend,
+        return body_fn(*args, n_experts=n_experts, ep=ep, capacity=capacity, gemm=gemm,
                        drop_policy=drop_policy, collective=True, ffn_axis=ffn_axis)
 
     return jax.shard_map(

@@ -111,6 +111,23 @@ def map_over_batch(fn, *arrays_BxN):
     return jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * len(arrays_BxN), out_specs=spec)(*arrays_BxN)
 
 
+def map_over_batch_heads(fn, q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, segment_ids_BxL=None):
+    """fn(q, k, v, segment_ids) on each device's batch rows and heads (split over `tensor` when both head
+    counts divide by it), inside shard_map; a plain call without a mesh. For attention kernels that are custom
+    calls, which GSPMD would otherwise run replicated (all-gathering q, k and v)."""
+    mesh = current_mesh()
+    if mesh is None:
+        return fn(q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, segment_ids_BxL)
+    tensor = mesh.shape["tensor"]
+    heads = "tensor" if q_BxLxHxK.shape[2] % tensor == 0 and k_BxLxGxK.shape[2] % tensor == 0 else None
+    qkv = P(BATCH_AXES, None, heads, None)
+    if segment_ids_BxL is None:
+        return jax.shard_map(lambda q, k, v: fn(q, k, v, None), mesh=mesh, in_specs=(qkv,) * 3, out_specs=qkv,
+                             check_vma=False)(q_BxLxHxK, k_BxLxGxK, v_BxLxGxV)
+    return jax.shard_map(fn, mesh=mesh, in_specs=(qkv,) * 3 + (P(BATCH_AXES, None),), out_specs=qkv,
+                         check_vma=False)(q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, segment_ids_BxL)
+
+
 def named_sharding(mesh: Mesh, names) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec(names))
 

@@ -29,8 +29,9 @@ norms) are replicated over it. A residual of a parameter's shape is that weight 
 cast, kept for the backward: the LM head's under any policy, every layer's without remat): it counts at the
 weight's per-device shard gathered over fsdp (split over expert and tensor as the weight is).
 
-Routed experts run as the target platform runs them (`moe.backend` auto): on GPU a dropless layer is one
-ragged grouped matmul over the received rows; on CPU (the dry run) it is a padded [E_local, rows, D] einsum.
+Routed experts run as the target platform runs them (`kernels.expert_gemm` auto): on GPU a dropless layer is one
+ragged grouped matmul over the received rows (traced with lax.ragged_dot, whose residuals are the rows, like
+tokamax's kernel); on CPU (the dry run) it is a padded [E_local, rows, D] einsum.
 """
 
 from __future__ import annotations
@@ -66,15 +67,18 @@ class ActivationBytes:
 
 
 def trace_config(cfg, *, remat: str, dispatch: str | None = None, platform: str = "gpu"):
-    """The config as traced: the remat policy and dispatch mode of the layout, and the routed-expert
-    backend `auto` resolves to on the platform (gmm.resolve_backend: ragged_dot for dropless on GPU)."""
+    """The config as traced: the remat policy and dispatch mode of the layout, and a routed-expert kernel with
+    the residuals of the one `auto` resolves to on the platform (a ragged grouped GEMM for dropless on GPU)."""
     c = cfg.copy_and_resolve_references()
     with c.unlocked():
         c.model.remat = remat
         if dispatch:
             c.moe.dispatch = dispatch
-        if c.moe.backend == "auto" and c.moe.dispatch == "dropless" and platform in ("gpu", "tpu"):
-            c.moe.backend = "ragged_dot"
+        ragged_on_gpu = c.moe.dispatch == "dropless" and platform in ("gpu", "tpu")
+        if c.kernels.expert_gemm == "auto" or c.kernels.expert_gemm == "tokamax":
+            c.kernels.expert_gemm = "ragged_dot" if ragged_on_gpu else "einsum"
+        # The trace runs in this (CPU) process: a GPU attention kernel is traced as XLA's.
+        c.kernels.attention = "xla"
     return c
 
 

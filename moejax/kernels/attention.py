@@ -1,0 +1,72 @@
+"""Causal attention within documents, by the kernel `kernels.attention` names (kernels/resolve.py):
+
+  xla             jax.nn.dot_product_attention(implementation="xla"): XLA's reference attention, a dense
+                  [B, H, L, L] score matrix. What CPUs run; the reference every other kernel is tested against.
+  cudnn           jax's cuDNN fused attention (`__cudnn$fmha*` custom calls); head dims <= 128, bf16. The
+                  document mask is passed as a dense boolean [B, 1, L, L] (cuDNN turns it into a bias).
+  tokamax_mosaic  tokamax's flash attention in Mosaic GPU (sm80 / sm90 / sm100 kernels): q/k and v head dims
+  tokamax_triton  may differ (MLA's 192 / 128, no padded PV matmul); tokamax's Triton flash attention, same API.
+                  Documents are given as each query's first key (`k_start`), not a mask: no L x L input.
+
+q [B, L, H, K], k [B, L, G, K], v [B, L, G, V] (G divides H), segment ids [B, L] or None (one document per
+row). Packed documents are contiguous runs of equal segment ids (moejax.data.packing), so "same document and
+causal" is "key position in [start of the query's document, query position]".
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def document_start(segment_ids_BxL):
+    """Position of the first token of each token's document (segments are contiguous runs)."""
+    seq = segment_ids_BxL.shape[1]
+    pos_L = jnp.arange(seq, dtype=jnp.int32)
+    starts = segment_ids_BxL[:, 1:] != segment_ids_BxL[:, :-1]
+    starts_BxL = jnp.concatenate([jnp.ones_like(starts[:, :1]), starts], axis=1)
+    return jax.lax.cummax(jnp.where(starts_BxL, pos_L[None, :], 0), axis=1)
+
+
+def document_mask(segment_ids_BxL):
+    """[B, 1, Lq, Lk] True where query and key are in the same document."""
+    return (segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :])[:, None]
+
+
+def _jax_nn(q, k, v, segment_ids_BxL, scale, implementation):
+    # jax.nn.dot_product_attention wants v's head dim equal to k's; MLA's is smaller (128 vs 192), so v is
+    # zero-padded and the padding sliced off.
+    v_dim, qk_dim = v.shape[-1], q.shape[-1]
+    if v_dim != qk_dim:
+        v = jnp.pad(v, [(0, 0)] * 3 + [(0, qk_dim - v_dim)])
+    mask = None if segment_ids_BxL is None else document_mask(segment_ids_BxL)
+    out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, scale=scale,
+                                       implementation=implementation)
+    return out[..., :v_dim]
+
+
+# tokamax's implementation objects take its Mask type, which carries k_start; its public
+# `dot_product_attention` takes only a boolean mask. Keys of tokamax's implementation table:
+_TOKAMAX_IMPLEMENTATION = {"tokamax_mosaic": "mosaic_gpu", "tokamax_triton": "triton", "tokamax_xla": "xla"}
+
+
+def _tokamax(q, k, v, segment_ids_BxL, scale, kernel):
+    from tokamax._src.ops.attention import api, base  # optional: the `gpu` extra
+
+    name = _TOKAMAX_IMPLEMENTATION[kernel]
+    if name not in api.IMPLEMENTATIONS:
+        raise RuntimeError(f"tokamax has no {name!r} attention here (registered: {sorted(api.IMPLEMENTATIONS)}); "
+                           "for a deviceless GPU compile tokamax must be imported under its cross-compile switch")
+    k_start = None if segment_ids_BxL is None else document_start(segment_ids_BxL)[:, None, :]  # [B, 1, Lq]
+    mask = base.Mask(k_start=k_start, is_causal=True)
+    return api.IMPLEMENTATIONS[name](q, k, v, bias=None, mask=mask, logits_scale=scale, precision=None,
+                                     logits_soft_cap=None, q_sharding=None)
+
+
+def attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, segment_ids_BxL, scale: float, *, kernel: str):
+    """softmax(q k^T * scale) v over keys that are causal and in the query's document; [B, L, H, V]."""
+    if kernel in ("xla", "cudnn"):
+        return _jax_nn(q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, segment_ids_BxL, scale, kernel)
+    if kernel in _TOKAMAX_IMPLEMENTATION:
+        return _tokamax(q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, segment_ids_BxL, scale, kernel)
+    raise ValueError(f"unknown attention kernel {kernel!r}")

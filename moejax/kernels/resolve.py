@@ -1,0 +1,124 @@
+"""Which kernel runs each hot path: `kernels.*` in the config, `auto` resolved from the platform of the mesh's
+devices (never from `jax.devices()[0]`: a deviceless GPU compile runs in a CPU process).
+
+A kernel the platform, the shapes or the installed packages cannot run is a ConfigError naming what to change
+or install; nothing falls back silently. The entry points (moejax.api, the dry run) resolve once against the
+mesh, print the choice and write it into the config, so WORKDIR/config.json says what ran. A model built
+directly from a config with `auto` (load_hf, tests) resolves against jax's default backend: the platform that
+will run it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from moejax.config.schema import ConfigError
+
+GPU_EXTRA = "pip install 'moejax[gpu]' (Python >= 3.12)"
+# cuDNN's fused attention as jax calls it: head dims up to 128 (jax refuses larger ones before Hopper, and in a
+# deviceless compile it checks the CPU process, so 192 is refused there too).
+CUDNN_MAX_HEAD_DIM = 128
+
+
+def tokamax_available() -> bool:
+    return importlib.util.find_spec("tokamax") is not None
+
+
+def _platform(platform: str | None) -> str:
+    if platform is None:
+        import jax
+
+        platform = jax.default_backend()
+    return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
+
+
+def _need_tokamax(field: str, value: str, why: str):
+    if not tokamax_available():
+        raise ConfigError(f"kernels.{field}={value!r}{why} needs tokamax, which is not installed: {GPU_EXTRA}, "
+                          f"or choose another kernels.{field}")
+
+
+def _need_gpu(field: str, value: str, platform: str):
+    if platform != "gpu":
+        raise ConfigError(f"kernels.{field}={value!r} runs on NVIDIA GPUs only; the mesh's devices are {platform}")
+
+
+def qk_v_head_dims(model_cfg) -> tuple[int, int]:
+    if model_cfg.attention == "mla":
+        return model_cfg.qk_nope_head_dim + model_cfg.qk_rope_head_dim, model_cfg.v_head_dim
+    return model_cfg.head_dim, model_cfg.head_dim
+
+
+def _attention(cfg, platform: str) -> str:
+    kernel = cfg.kernels.attention
+    if kernel == "auto":
+        if platform != "gpu":
+            return "xla"
+        _need_tokamax("attention", kernel, " on gpu (flash attention: tokamax_mosaic)")
+        return "tokamax_mosaic"
+    if kernel == "cudnn":
+        _need_gpu("attention", kernel, platform)
+        qk, v = qk_v_head_dims(cfg.model)
+        if max(qk, v) > CUDNN_MAX_HEAD_DIM:
+            raise ConfigError(f"kernels.attention='cudnn' takes head dims up to {CUDNN_MAX_HEAD_DIM}, this model's are "
+                              f"q/k {qk}, v {v}; use kernels.attention='tokamax_mosaic'")
+        if cfg.model.dtype != "bfloat16":
+            raise ConfigError("kernels.attention='cudnn' needs model.dtype='bfloat16' (cuDNN's fused attention "
+                              "has no float32 kernel)")
+    elif kernel.startswith("tokamax_"):
+        _need_gpu("attention", kernel, platform)
+        _need_tokamax("attention", kernel, "")
+    return kernel
+
+
+def _expert_gemm(cfg, platform: str) -> str:
+    kernel = cfg.kernels.expert_gemm
+    ragged = cfg.moe.dispatch == "dropless"
+    if kernel == "auto":
+        # Capacity and allgather buffers are [E_local, C, D] with equal groups: a batched GEMM (cuBLAS on GPU)
+        # is the grouped GEMM, with no wasted work. Dropless groups are ragged: on GPU a grouped-GEMM kernel.
+        if not (ragged and platform == "gpu"):
+            return "einsum"
+        _need_tokamax("expert_gemm", kernel, " with moe.dispatch='dropless' on gpu (grouped GEMM: tokamax)")
+        return "tokamax"
+    if kernel == "ragged_dot" and platform == "gpu":
+        raise ConfigError("kernels.expert_gemm='ragged_dot' on gpu: XLA:GPU rewrites lax.ragged_dot into masked "
+                          "dense dots (n_experts x the FLOPs); use kernels.expert_gemm='tokamax' or 'einsum'")
+    if kernel == "tokamax":
+        _need_gpu("expert_gemm", kernel, platform)
+        _need_tokamax("expert_gemm", kernel, "")
+    return kernel
+
+
+def devices_platform(devices) -> str:
+    """The one platform of a mesh's devices ('cpu', 'gpu', 'tpu')."""
+    platforms = {d.platform for d in devices}
+    if len(platforms) != 1:
+        raise ConfigError(f"the mesh mixes device platforms {sorted(platforms)}; one platform per mesh")
+    return _platform(platforms.pop())
+
+
+def resolve_kernels(cfg, platform: str | None = None) -> dict[str, str]:
+    """{'attention', 'expert_gemm', 'loss'} -> the concrete kernel each runs on `platform` ('cpu', 'gpu', 'tpu';
+    None: jax's default backend)."""
+    platform = _platform(platform)
+    loss = cfg.kernels.loss
+    return {"attention": _attention(cfg, platform), "expert_gemm": _expert_gemm(cfg, platform),
+            "loss": "chunked" if loss == "auto" else loss}
+
+
+def apply_kernels(cfg, platform: str) -> str:
+    """Resolves cfg.kernels against `platform` IN PLACE (config.json then records what ran); returns the line to
+    print, e.g. 'kernels on gpu: attention=tokamax_mosaic (auto), expert_gemm=einsum (auto), loss=chunked'."""
+    asked = {k: cfg.kernels[k] for k in ("attention", "expert_gemm", "loss")}
+    resolved = resolve_kernels(cfg, platform)
+    for k, v in resolved.items():
+        cfg.kernels[k] = v
+    return describe(cfg, platform, asked)
+
+
+def describe(cfg, platform: str, asked: dict | None = None) -> str:
+    parts = [f"{k}={cfg.kernels[k]}" + (" (auto)" if asked and asked[k] == "auto" else "")
+             for k in ("attention", "expert_gemm", "loss")]
+    return f"kernels on {_platform(platform)}: " + ", ".join(parts)
+
