@@ -103,6 +103,24 @@ def test_hlo_loops_multiply_and_groups_parse():
     assert replica_groups(line, 8) == ((0, 1, 2, 3), (4, 5, 6, 7))  # ids 0,4,1,5,... on [1,4,2]
 
 
+def test_hlo_async_collectives_count_their_destination_once():
+    # XLA:GPU's async pairs: the -start result is (operands, destination[, contexts]); the -done is skipped.
+    hlo = "\n".join([
+        "HloModule m, num_partitions=4",
+        "ENTRY %main (x: bf16[4,8]) -> bf16[4,8] {",
+        "  %s = ((bf16[4,8]{1,0}), bf16[4,8]{1,0}) all-to-all-start(%x), replica_groups={{0,1,2,3}}, dimensions={0}",
+        "  %d = bf16[4,8]{1,0} all-to-all-done(%s)",
+        "  %r = ((f32[16]{0}), f32[16]{0}) all-reduce-start(%y), replica_groups={{0,1,2,3}}, to_apply=%add",
+        "  %g = (bf16[2]{0}, bf16[8]{0}) all-gather-start(%z), replica_groups={{0,1,2,3}}, dimensions={0}",
+        "  %p = (bf16[6]{0}, bf16[6]{0}, u32[], u32[]) collective-permute-start(%z), source_target_pairs={{0,1}}",
+        "  %a = f32[3]{0} all-reduce-start(%y), replica_groups={{0,1,2,3}}, to_apply=%add",
+        "}",
+    ])
+    assert [(c.kind, c.by_dtype) for c in collectives(hlo)] == [
+        ("all-to-all", (("bf16", 4 * 8 * 2),)), ("all-reduce", (("f32", 16 * 4),)), ("all-gather", (("bf16", 8 * 2),)),
+        ("collective-permute", (("bf16", 6 * 2),)), ("all-reduce", (("f32", 3 * 4),))]
+
+
 def _cli(*args):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     return subprocess.run([sys.executable, "-m", "moejax.cli.plan", *args], capture_output=True, text=True,

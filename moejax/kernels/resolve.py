@@ -107,6 +107,17 @@ def resolve_kernels(cfg, platform: str | None = None) -> dict[str, str]:
             "loss": "chunked" if loss == "auto" else loss}
 
 
+def model_kernels(cfg) -> dict[str, str]:
+    """The kernels a model built from cfg runs: concrete choices as given (the entry points checked them against
+    the mesh's platform, which may differ from this process's: a deviceless GPU compile), `auto` resolved
+    against jax's default backend (a model built directly, e.g. by load_hf)."""
+    fields = ("attention", "expert_gemm", "loss")
+    if all(cfg.kernels[k] != "auto" for k in fields):
+        return {k: cfg.kernels[k] for k in fields}
+    resolved = resolve_kernels(cfg)
+    return {k: resolved[k] if cfg.kernels[k] == "auto" else cfg.kernels[k] for k in fields}
+
+
 def apply_kernels(cfg, platform: str) -> str:
     """Resolves cfg.kernels against `platform` IN PLACE (config.json then records what ran); returns the line to
     print, e.g. 'kernels on gpu: attention=tokamax_mosaic (auto), expert_gemm=einsum (auto), loss=chunked'."""

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moejax.kernels.resolve import resolve_kernels
+from moejax.kernels.resolve import model_kernels
 from moejax.model.attention import make_attention
 from moejax.model.layers import LAYERS_AXIS_METADATA, MLP, Embed, RMSNorm, dtype_of, param
 from moejax.model.moe import MoE, MoEStats
@@ -47,7 +47,7 @@ class Block(nnx.Module):
         m = cfg.model
         pdt = dtype_of(m.param_dtype)
         self.attn_norm = RMSNorm(m.d_model, eps=m.norm_eps, param_dtype=pdt)
-        kernels = resolve_kernels(cfg)
+        kernels = model_kernels(cfg)
         self.attn = make_attention(m, kernels["attention"], rngs=rngs)
         self.ffn_norm = RMSNorm(m.d_model, eps=m.norm_eps, param_dtype=pdt)
         if moe:
@@ -135,7 +135,7 @@ class Transformer(nnx.Module):
         self.dtype = dtype_of(m.dtype)
         self.remat = m.remat
         # The loss kernel lm_loss runs over this model's LM head (kernels.loss; moejax/kernels/cross_entropy.py).
-        self.loss_kernel = resolve_kernels(cfg)["loss"]
+        self.loss_kernel = model_kernels(cfg)["loss"]
         self.loss_chunk = int(cfg.kernels.loss_chunk)
         self.n_dense = m.first_k_dense
         self.n_moe = m.n_layers - m.first_k_dense

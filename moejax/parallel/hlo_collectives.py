@@ -69,6 +69,30 @@ def _bytes(shapes: str) -> int:
     return sum(_bytes_by_dtype(shapes).values())
 
 
+def _top_level(shapes: str) -> list[str]:
+    """The top-level elements of a tuple shape '(a, (b, c), d)'; a non-tuple shape is its own one element."""
+    if not shapes.startswith("("):
+        return [shapes]
+    parts, depth, start = [], 0, 1
+    for i, ch in enumerate(shapes[1:-1], start=1):
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+        if ch == "," and depth == 0:
+            parts.append(shapes[start:i].strip())
+            start = i + 1
+    return parts + [shapes[start:-1].strip()]
+
+
+def _destination(result: str, *, started: bool) -> str:
+    """The buffer a collective fills. An async `*-start` op's result is a tuple (operands, destination[,
+    contexts]) on GPU: only the destination counts, or the bytes would be counted twice."""
+    if started and result.startswith("("):
+        parts = _top_level(result)
+        if len(parts) >= 2:
+            return parts[1]
+    return result
+
+
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
@@ -166,7 +190,7 @@ def collectives(hlo_text: str) -> list[Collective]:
         if not m or "-done(" in line or comp is None or times.get(comp, 0) == 0:
             continue
         groups = replica_groups(line, n_devices)
-        by_dtype = _bytes_by_dtype(m["result"])
+        by_dtype = _bytes_by_dtype(_destination(m["result"], started="-start(" in line))
         if m["kind"] == "reduce-scatter":
             by_dtype = {t: n * len(groups[0]) for t, n in by_dtype.items()}
         name = n["name"] if (n := _OP_NAME.search(line)) else ""
