@@ -3,6 +3,10 @@
 Targets are masked where they belong to another document than their input (packed rows) and, for MTP depth
 k, in the last k positions, whose target lies beyond the sequence. Means are over unmasked targets.
 
+The LM head and the cross-entropy run as one kernel (`model.loss_kernel`, moejax/kernels/cross_entropy.py) over
+the model's final hidden states (`Transformer.hidden`): `chunked` never materialises the [B, L, V] logits of
+any head, `dense` computes them whole; both in f32 from the compute-dtype head.
+
 The batch-wise balance loss is transformers' `load_balancing_loss_func` (Mixtral, Qwen3-MoE), so
 `moe.batch_aux_loss_coef` is their `router_aux_loss_coef`: computed once per forward pass over every MoE
 layer's tokens together (MTP modules' MoE blocks count as further layers), not summed over layers.
@@ -15,8 +19,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from moejax.kernels.cross_entropy import chunked_cross_entropy, dense_cross_entropy
 from moejax.model.moe import MoEStats
 from moejax.model.transformer import shift_left
+from moejax.parallel.mesh import constrain
 
 
 class LossParts(NamedTuple):
@@ -26,12 +32,31 @@ class LossParts(NamedTuple):
     stats: MoEStats | None
 
 
+def masked_mean(nll_BxL, mask_BxL):
+    """Mean of nll over the masked-in positions, in f32 (0 when none is)."""
+    mask = mask_BxL.astype(jnp.float32)
+    return jnp.sum(nll_BxL.astype(jnp.float32) * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
 def masked_cross_entropy(logits_BxLxV, targets_BxL, mask_BxL):
-    """Mean of -log p(target) over the masked-in positions, in f32."""
+    """Mean of -log p(target) over the masked-in positions, in f32, from given logits."""
     logp = jax.nn.log_softmax(logits_BxLxV.astype(jnp.float32), axis=-1)
     nll_BxL = -jnp.take_along_axis(logp, targets_BxL[..., None], axis=-1)[..., 0]
-    mask = mask_BxL.astype(jnp.float32)
-    return jnp.sum(nll_BxL * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+    return masked_mean(nll_BxL, mask_BxL)
+
+
+def _constrain_logits(logits_BxLxV):
+    # The split the model gives its own logits: batch over the batch axes, vocab over tensor (as the head's V).
+    return constrain(logits_BxLxV, ("batch", "seq", "vocab"))
+
+
+def head_cross_entropy(kernel: str, h_BxLxD, w_DxV, targets_BxL, *, chunk: int):
+    """Per-position nll [B, L] (f32) of the LM head w over h, by the loss kernel `kernel` (dense | chunked)."""
+    if kernel == "dense":
+        return dense_cross_entropy(h_BxLxD, w_DxV, targets_BxL, constrain_logits=_constrain_logits)
+    if kernel == "chunked":
+        return chunked_cross_entropy(h_BxLxD, w_DxV, targets_BxL, chunk=chunk, constrain_logits=_constrain_logits)
+    raise ValueError(f"unknown loss kernel {kernel!r} (kernels.loss: dense | chunked)")
 
 
 def target_mask(segment_ids_BxL1, k: int):
@@ -70,14 +95,21 @@ def with_batch_balance(stats: MoEStats, coef: float) -> MoEStats:
 def lm_loss(model, tokens_BxL1, segment_ids_BxL1=None, *, mtp_weight: float = 0.0):
     """(total loss, LossParts). tokens_BxL1 holds L inputs and their L next-token targets (L + 1 tokens)."""
     segments = segment_ids_BxL1 if segment_ids_BxL1 is not None else jnp.zeros_like(tokens_BxL1)
-    out = model(tokens_BxL1[:, :-1], None if segment_ids_BxL1 is None else segment_ids_BxL1[:, :-1])
-    ce = masked_cross_entropy(out.logits_BxLxV, tokens_BxL1[:, 1:], target_mask(segments, 0))
+    out = model.hidden(tokens_BxL1[:, :-1], None if segment_ids_BxL1 is None else segment_ids_BxL1[:, :-1])
+    # The head in the compute dtype, as Transformer.logits uses it (the kernels accumulate its logits in f32).
+    w_DxV = model.head_DxV[...].astype(model.dtype)
+
+    def ce_of(h_BxLxD, targets_BxL, mask_BxL):
+        nll_BxL = head_cross_entropy(model.loss_kernel, h_BxLxD, w_DxV, targets_BxL, chunk=model.loss_chunk)
+        return masked_mean(nll_BxL, mask_BxL)
+
+    ce = ce_of(out.h_BxLxD, tokens_BxL1[:, 1:], target_mask(segments, 0))
     total = ce
     mtp_ce = []
-    if out.mtp_logits_DxBxLxV is not None:
-        for k in range(1, out.mtp_logits_DxBxLxV.shape[0] + 1):
+    if out.mtp_h_DxBxLxD is not None:
+        for k in range(1, out.mtp_h_DxBxLxD.shape[0] + 1):
             targets = shift_left(tokens_BxL1[:, 1:], k)
-            mtp_ce.append(masked_cross_entropy(out.mtp_logits_DxBxLxV[k - 1], targets, target_mask(segments, k)))
+            mtp_ce.append(ce_of(out.mtp_h_DxBxLxD[k - 1], targets, target_mask(segments, k)))
         # DeepSeek-V3 eq. 25: lambda / D * sum_k L_MTP^k.
         total = total + mtp_weight / len(mtp_ce) * sum(mtp_ce)
     stats, aux = out.stats, jnp.float32(0)
