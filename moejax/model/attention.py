@@ -10,7 +10,7 @@ from flax import nnx
 
 from moejax.kernels.attention import attention as kernel_attention
 
-from moejax.model.layers import RMSNorm, dtype_of, param
+from moejax.model.layers import RMSNorm, dtype_of, param, project
 from moejax.model.rope import apply_rope, rope_spec, softmax_scale
 from moejax.parallel.mesh import map_over_batch_heads
 
@@ -30,6 +30,7 @@ class GQAttention(nnx.Module):
 
     def __init__(self, m, kernel: str, *, rngs: nnx.Rngs):
         self.kernel = kernel
+        self.f32_grad = m.grad_reduce_dtype == "float32"
         pdt, d, h, k = dtype_of(m.param_dtype), m.d_model, m.n_heads, m.head_dim
         g = m.n_kv_heads or m.n_heads
         std = m.init_std
@@ -44,16 +45,15 @@ class GQAttention(nnx.Module):
         self.scale = softmax_scale(m, k)
 
     def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL=None):
-        dt = x_BxLxD.dtype
-        q = jnp.einsum("bld,dhk->blhk", x_BxLxD, self.w_q_DxHxK[...].astype(dt))
-        k = jnp.einsum("bld,dgk->blgk", x_BxLxD, self.w_k_DxGxK[...].astype(dt))
-        v = jnp.einsum("bld,dgk->blgk", x_BxLxD, self.w_v_DxGxK[...].astype(dt))
+        q = project("bld,dhk->blhk", x_BxLxD, self.w_q_DxHxK[...], f32_grad=self.f32_grad)
+        k = project("bld,dgk->blgk", x_BxLxD, self.w_k_DxGxK[...], f32_grad=self.f32_grad)
+        v = project("bld,dgk->blgk", x_BxLxD, self.w_v_DxGxK[...], f32_grad=self.f32_grad)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, positions_BxL, self.rope)
         k = apply_rope(k, positions_BxL, self.rope)
         out_BxLxHxK = attention_core(q, k, v, segment_ids_BxL, self.scale, self.kernel)
-        return jnp.einsum("blhk,hkd->bld", out_BxLxHxK, self.w_o_HxKxD[...].astype(dt))
+        return project("blhk,hkd->bld", out_BxLxHxK, self.w_o_HxKxD[...], f32_grad=self.f32_grad)
 
 
 class MLAttention(nnx.Module):
@@ -67,6 +67,7 @@ class MLAttention(nnx.Module):
 
     def __init__(self, m, kernel: str, *, rngs: nnx.Rngs):
         self.kernel = kernel
+        self.f32_grad = m.grad_reduce_dtype == "float32"
         pdt, d, h, std = dtype_of(m.param_dtype), m.d_model, m.n_heads, m.init_std
         n, r, v, c = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
         self.q_lora = bool(m.q_lora_rank)
@@ -88,24 +89,23 @@ class MLAttention(nnx.Module):
         self.scale = softmax_scale(m, n + r)
 
     def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL=None):
-        dt = x_BxLxD.dtype
         if self.q_lora:
-            q_BxLxQ = self.q_norm(jnp.einsum("bld,dq->blq", x_BxLxD, self.w_qa_DxQ[...].astype(dt)))
-            q = jnp.einsum("blq,qhk->blhk", q_BxLxQ, self.w_qb_QxHxK[...].astype(dt))
+            q_BxLxQ = self.q_norm(project("bld,dq->blq", x_BxLxD, self.w_qa_DxQ[...], f32_grad=self.f32_grad))
+            q = project("blq,qhk->blhk", q_BxLxQ, self.w_qb_QxHxK[...], f32_grad=self.f32_grad)
         else:
-            q = jnp.einsum("bld,dhk->blhk", x_BxLxD, self.w_q_DxHxK[...].astype(dt))
+            q = project("bld,dhk->blhk", x_BxLxD, self.w_q_DxHxK[...], f32_grad=self.f32_grad)
         q_nope, q_rope = q[..., : self.nope_dim], q[..., self.nope_dim :]
         q = jnp.concatenate([q_nope, apply_rope(q_rope, positions_BxL, self.rope)], axis=-1)
 
-        c_BxLxC = self.kv_norm(jnp.einsum("bld,dc->blc", x_BxLxD, self.w_kva_DxC[...].astype(dt)))
-        k_nope = jnp.einsum("blc,chn->blhn", c_BxLxC, self.w_kb_CxHxN[...].astype(dt))
-        v = jnp.einsum("blc,chv->blhv", c_BxLxC, self.w_vb_CxHxV[...].astype(dt))
-        k_rope_BxLx1xR = jnp.einsum("bld,dr->blr", x_BxLxD, self.w_kr_DxR[...].astype(dt))[:, :, None, :]
+        c_BxLxC = self.kv_norm(project("bld,dc->blc", x_BxLxD, self.w_kva_DxC[...], f32_grad=self.f32_grad))
+        k_nope = project("blc,chn->blhn", c_BxLxC, self.w_kb_CxHxN[...], f32_grad=self.f32_grad)
+        v = project("blc,chv->blhv", c_BxLxC, self.w_vb_CxHxV[...], f32_grad=self.f32_grad)
+        k_rope_BxLx1xR = project("bld,dr->blr", x_BxLxD, self.w_kr_DxR[...], f32_grad=self.f32_grad)[:, :, None, :]
         k_rope_BxLx1xR = apply_rope(k_rope_BxLx1xR, positions_BxL, self.rope)
         k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope_BxLx1xR, (*k_nope.shape[:3], k_rope_BxLx1xR.shape[-1]))],
                             axis=-1)
         out_BxLxHxV = attention_core(q, k, v, segment_ids_BxL, self.scale, self.kernel)
-        return jnp.einsum("blhv,hvd->bld", out_BxLxHxV, self.w_o_HxVxD[...].astype(dt))
+        return project("blhv,hvd->bld", out_BxLxHxV, self.w_o_HxVxD[...], f32_grad=self.f32_grad)
 
 
 def make_attention(m, kernel: str, *, rngs: nnx.Rngs) -> nnx.Module:

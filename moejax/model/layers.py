@@ -6,6 +6,8 @@ onto mesh axes; the model never names a mesh axis.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -29,6 +31,41 @@ def dtype_of(name: str):
     return jnp.dtype(name)
 
 
+def project(spec: str, x, w, *, f32_grad: bool = True):
+    """einsum(spec, x, w) with the weight cast to x's (compute) dtype: the mixed-precision contract's GEMM.
+
+    With f32_grad (model.grad_reduce_dtype='float32') and a weight wider than the compute dtype, the weight's
+    gradient is computed with f32 output: its sums over the batch shards (GSPMD's reduce-scatter / all-reduce
+    over data and fsdp, inserted right after this dot) then run in f32, where plain autodiff would reduce bf16
+    partial gradients and round each partial sum. The activation gradient stays in the compute dtype.
+    """
+    if not f32_grad or w.dtype == x.dtype:
+        return jnp.einsum(spec, x, w.astype(x.dtype))
+    return _project_f32_grad(spec, x, w)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _project_f32_grad(spec, x, w):
+    return jnp.einsum(spec, x, w.astype(x.dtype))
+
+
+def _project_fwd(spec, x, w):
+    w_c = w.astype(x.dtype)
+    return jnp.einsum(spec, x, w_c), (x, w_c, jnp.zeros((0,), w.dtype))
+
+
+def _project_bwd(spec, residuals, dy):
+    x, w_c, w_dtype = residuals
+    inputs, out = spec.split("->")
+    xs, ws = inputs.split(",")
+    dx = jnp.einsum(f"{out},{ws}->{xs}", dy, w_c)
+    dw = jnp.einsum(f"{xs},{out}->{ws}", x, dy, preferred_element_type=jnp.float32)
+    return dx, dw.astype(w_dtype.dtype)
+
+
+_project_f32_grad.defvjp(_project_fwd, _project_bwd)
+
+
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, *, eps: float, param_dtype=jnp.float32):
         self.scale_D = ones_param((dim,), ("norm",), param_dtype)
@@ -46,19 +83,23 @@ class Embed(nnx.Module):
         self.table_VxD = param(rngs, (vocab, dim), ("vocab", "embed"), std=std, dtype=param_dtype)
 
     def __call__(self, tokens_BxL, dtype):
-        return jnp.take(self.table_VxD[...].astype(dtype), tokens_BxL, axis=0)
+        # Rows gathered from the f32 table, then cast: the gradient is an f32 scatter-add into the table (a bf16
+        # one would round every token's contribution to a row as it adds up).
+        return jnp.take(self.table_VxD[...], tokens_BxL, axis=0).astype(dtype)
 
 
 class MLP(nnx.Module):
     """Dense SwiGLU FFN: down(silu(x @ gate) * (x @ up))."""
 
-    def __init__(self, dim: int, hidden: int, *, rngs: nnx.Rngs, std: float, param_dtype=jnp.float32):
+    def __init__(self, dim: int, hidden: int, *, rngs: nnx.Rngs, std: float, param_dtype=jnp.float32,
+                 f32_grad: bool = True):
+        self.f32_grad = f32_grad
         self.w_gate_DxF = param(rngs, (dim, hidden), ("embed", "mlp"), std=std, dtype=param_dtype)
         self.w_up_DxF = param(rngs, (dim, hidden), ("embed", "mlp"), std=std, dtype=param_dtype)
         self.w_down_FxD = param(rngs, (hidden, dim), ("mlp", "embed"), std=std, dtype=param_dtype)
 
     def __call__(self, x_BxLxD):
-        dt = x_BxLxD.dtype
-        gate = jnp.einsum("bld,df->blf", x_BxLxD, self.w_gate_DxF[...].astype(dt))
-        up = jnp.einsum("bld,df->blf", x_BxLxD, self.w_up_DxF[...].astype(dt))
-        return jnp.einsum("blf,fd->bld", jax.nn.silu(gate) * up, self.w_down_FxD[...].astype(dt))
+        g = self.f32_grad
+        gate = project("bld,df->blf", x_BxLxD, self.w_gate_DxF[...], f32_grad=g)
+        up = project("bld,df->blf", x_BxLxD, self.w_up_DxF[...], f32_grad=g)
+        return project("blf,fd->bld", jax.nn.silu(gate) * up, self.w_down_FxD[...], f32_grad=g)

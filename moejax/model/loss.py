@@ -96,8 +96,7 @@ def lm_loss(model, tokens_BxL1, segment_ids_BxL1=None, *, mtp_weight: float = 0.
     """(total loss, LossParts). tokens_BxL1 holds L inputs and their L next-token targets (L + 1 tokens)."""
     segments = segment_ids_BxL1 if segment_ids_BxL1 is not None else jnp.zeros_like(tokens_BxL1)
     out = model.hidden(tokens_BxL1[:, :-1], None if segment_ids_BxL1 is None else segment_ids_BxL1[:, :-1])
-    # The head in the compute dtype, as Transformer.logits uses it (the kernels accumulate its logits in f32).
-    w_DxV = model.head_DxV[...].astype(model.dtype)
+    w_DxV = model.head_DxV[...]  # as stored (f32): the kernels compute in h's dtype and return an f32 gradient
 
     def ce_of(h_BxLxD, targets_BxL, mask_BxL):
         nll_BxL = head_cross_entropy(model.loss_kernel, h_BxLxD, w_DxV, targets_BxL, chunk=model.loss_chunk)

@@ -36,17 +36,19 @@ class MoEStats(NamedTuple):
 
 
 class MoE(nnx.Module):
-    def __init__(self, dim: int, moe_cfg, expert_gemm: str, *, rngs: nnx.Rngs, std: float, param_dtype=jnp.float32):
+    def __init__(self, dim: int, moe_cfg, expert_gemm: str, *, rngs: nnx.Rngs, std: float, param_dtype=jnp.float32,
+                 f32_grad: bool = True):
         n_experts, hidden = moe_cfg.n_routed_experts, moe_cfg.d_ff_expert
         self.router = Router(dim, moe_cfg, rngs=rngs, std=std, param_dtype=param_dtype)
         self.shared = (
-            MLP(dim, hidden * moe_cfg.n_shared_experts, rngs=rngs, std=std, param_dtype=param_dtype)
+            MLP(dim, hidden * moe_cfg.n_shared_experts, rngs=rngs, std=std, param_dtype=param_dtype, f32_grad=f32_grad)
             if moe_cfg.n_shared_experts else None
         )
         self.w_gate_ExDxF = param(rngs, (n_experts, dim, hidden), ("expert", "embed", "expert_mlp"), std=std, dtype=param_dtype)
         self.w_up_ExDxF = param(rngs, (n_experts, dim, hidden), ("expert", "embed", "expert_mlp"), std=std, dtype=param_dtype)
         self.w_down_ExFxD = param(rngs, (n_experts, hidden, dim), ("expert", "expert_mlp", "embed"), std=std, dtype=param_dtype)
         self.capacity_factor = float(moe_cfg.capacity_factor)
+        self.f32_grad = f32_grad
         self.expert_gemm = expert_gemm  # resolved kernels.expert_gemm (moejax/kernels/grouped_gemm.py)
         self.mode = moe_cfg.dispatch
         self.drop_policy = moe_cfg.drop_policy
@@ -65,8 +67,8 @@ class MoE(nnx.Module):
             x_BxLxD.reshape(batch * seq, dim),
             routing.expert_idx_BxLxK.reshape(batch * seq, -1),
             routing.expert_w_BxLxK.reshape(batch * seq, -1),
-            self.w_gate_ExDxF[...].astype(dt), self.w_up_ExDxF[...].astype(dt), self.w_down_ExFxD[...].astype(dt),
-            capacity_factor=self.capacity_factor, mode=self.mode, drop_policy=self.drop_policy,
+            self.w_gate_ExDxF[...], self.w_up_ExDxF[...], self.w_down_ExFxD[...], compute_dtype=dt,
+            f32_grad=self.f32_grad, capacity_factor=self.capacity_factor, mode=self.mode, drop_policy=self.drop_policy,
             gemm=self.expert_gemm, recv_factor=self.recv_factor,
         )
         out = shared_BxLxD + routed_TxD.reshape(batch, seq, dim)

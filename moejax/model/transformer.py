@@ -11,7 +11,7 @@ from flax import nnx
 
 from moejax.kernels.resolve import model_kernels
 from moejax.model.attention import make_attention
-from moejax.model.layers import LAYERS_AXIS_METADATA, MLP, Embed, RMSNorm, dtype_of, param
+from moejax.model.layers import LAYERS_AXIS_METADATA, MLP, Embed, RMSNorm, dtype_of, param, project
 from moejax.model.moe import MoE, MoEStats
 from moejax.model.rope import segment_positions
 from moejax.parallel.mesh import constrain
@@ -51,9 +51,11 @@ class Block(nnx.Module):
         self.attn = make_attention(m, kernels["attention"], rngs=rngs)
         self.ffn_norm = RMSNorm(m.d_model, eps=m.norm_eps, param_dtype=pdt)
         if moe:
-            self.ffn = MoE(m.d_model, cfg.moe, kernels["expert_gemm"], rngs=rngs, std=m.init_std, param_dtype=pdt)
+            self.ffn = MoE(m.d_model, cfg.moe, kernels["expert_gemm"], rngs=rngs, std=m.init_std, param_dtype=pdt,
+                           f32_grad=m.grad_reduce_dtype == "float32")
         else:
-            self.ffn = MLP(m.d_model, m.d_ff, rngs=rngs, std=m.init_std, param_dtype=pdt)
+            self.ffn = MLP(m.d_model, m.d_ff, rngs=rngs, std=m.init_std, param_dtype=pdt,
+                           f32_grad=m.grad_reduce_dtype == "float32")
         self.is_moe = moe
 
     def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL=None):
@@ -102,14 +104,14 @@ class MTPModule(nnx.Module):
         pdt = dtype_of(m.param_dtype)
         self.emb_norm = RMSNorm(m.d_model, eps=m.norm_eps, param_dtype=pdt)
         self.hidden_norm = RMSNorm(m.d_model, eps=m.norm_eps, param_dtype=pdt)
+        self.f32_grad = m.grad_reduce_dtype == "float32"
         self.w_eh_2DxD = param(rngs, (2 * m.d_model, m.d_model), ("mtp_concat", "embed"), std=m.init_std, dtype=pdt)
         self.block = Block(cfg, moe=m.n_layers > m.first_k_dense, rngs=rngs)
         self.out_norm = RMSNorm(m.d_model, eps=m.norm_eps, param_dtype=pdt)
 
     def __call__(self, h_BxLxD, next_emb_BxLxD, positions_BxL, segment_ids_BxL=None):
-        dt = h_BxLxD.dtype
         cat_BxLx2D = jnp.concatenate([self.emb_norm(next_emb_BxLxD), self.hidden_norm(h_BxLxD)], axis=-1)
-        x_BxLxD = jnp.einsum("blc,cd->bld", cat_BxLx2D, self.w_eh_2DxD[...].astype(dt))
+        x_BxLxD = project("blc,cd->bld", cat_BxLx2D, self.w_eh_2DxD[...], f32_grad=self.f32_grad)
         x_BxLxD, stats = self.block(constrain(x_BxLxD, ACT_BxLxD), positions_BxL, segment_ids_BxL)
         return x_BxLxD, self.out_norm(x_BxLxD), stats
 
@@ -133,6 +135,7 @@ class Transformer(nnx.Module):
         m = cfg.model
         pdt = dtype_of(m.param_dtype)
         self.dtype = dtype_of(m.dtype)
+        self.f32_grad = m.grad_reduce_dtype == "float32"
         self.remat = m.remat
         # The loss kernel lm_loss runs over this model's LM head (kernels.loss; moejax/kernels/cross_entropy.py).
         self.loss_kernel = model_kernels(cfg)["loss"]
@@ -160,7 +163,7 @@ class Transformer(nnx.Module):
             mtp_bias[...] = mtp_bias[...] + step_LxE[self.n_moe + k]
 
     def logits(self, h_BxLxD):
-        return constrain(jnp.einsum("bld,dv->blv", h_BxLxD, self.head_DxV[...].astype(self.dtype)),
+        return constrain(project("bld,dv->blv", h_BxLxD, self.head_DxV[...], f32_grad=self.f32_grad),
                          ("batch", "seq", "vocab"))
 
     def __call__(self, tokens_BxL, segment_ids_BxL=None) -> ModelOutput:

@@ -21,6 +21,7 @@ collectives.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -29,7 +30,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from moejax.kernels import grouped_gemm
-from moejax.parallel.mesh import BATCH_AXES, EXPERT_AXIS, FFN_AXIS, current_mesh
+from moejax.parallel.mesh import BATCH_AXES, EXPERT_AXIS, FFN_AXIS, FSDP_AXIS, current_mesh
 from moejax.parallel.routing_plan import combine_rows, dispatch_rows, make_plan
 
 
@@ -250,19 +251,53 @@ def _dropless_moe(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF,
     return out_TxD, _stats(counts_E, dropped, n_assign, collective)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _weights_for_compute(w_shard, d_model_dim: int, dtype, f32_grad: bool, sizes: tuple[int, int]):
+    """Inside the dispatch shard_map: this device's expert weights cast to the compute dtype, then all-gathered
+    over fsdp (stored split on d_model): the gather moves compute-dtype bytes. sizes = (data, fsdp) axis sizes: no
+    gather over an fsdp axis of size 1 (XLA:CPU would keep a trivial one).
+
+    Backward (the mixed-precision contract): the weight gradient is summed over data and reduce-scattered over
+    fsdp in f32 (f32_grad) - autodiff would do both in the compute dtype, at the shard_map boundary. The output
+    is marked varying over data so no implicit (compute-dtype) reduction is left for shard_map to insert.
+    """
+    w = w_shard.astype(dtype)
+    if sizes[1] > 1:
+        w = jax.lax.all_gather(w, FSDP_AXIS, axis=d_model_dim, tiled=True)
+    # The in_spec does not split the weights over data (invariant there); all_gather leaves them varying over fsdp.
+    return jax.lax.pcast(w, ("data",), to="varying")
+
+
+def _weights_fwd(w_shard, d_model_dim, dtype, f32_grad, sizes):
+    return _weights_for_compute(w_shard, d_model_dim, dtype, f32_grad, sizes), jnp.zeros((0,), w_shard.dtype)
+
+
+def _weights_bwd(d_model_dim, dtype, f32_grad, sizes, param_dtype_0, grad_w):
+    grad_w = grad_w.astype(jnp.float32 if f32_grad else dtype)
+    grad_w = jax.lax.psum(grad_w, "data")
+    if sizes[1] > 1:
+        grad_w = jax.lax.psum_scatter(grad_w, FSDP_AXIS, scatter_dimension=d_model_dim, tiled=True)
+    return (grad_w.astype(param_dtype_0.dtype),)
+
+
+_weights_for_compute.defvjp(_weights_fwd, _weights_bwd)
+
 _MODES = {"capacity": _capacity_moe, "allgather": _allgather_moe, "dropless": _dropless_moe}
 
 
 def routed_experts(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *,
                    capacity_factor: float, mode: str = "capacity", drop_policy: str = "position",
-                   gemm: str = "einsum", recv_factor: float = 0.0):
-    """Routed-expert output [T, D] for tokens x [T, D] and their top-k experts/weights [T, K]."""
+                   gemm: str = "einsum", recv_factor: float = 0.0, compute_dtype=None, f32_grad: bool = True):
+    """Routed-expert output [T, D] for tokens x [T, D] and their top-k experts/weights [T, K]. The expert weights
+    come as stored (param dtype) and are cast to compute_dtype (default: x's) where they are used."""
+    dtype = jnp.dtype(compute_dtype or x_TxD.dtype)
     n_experts = w_gate_ExDxF.shape[0]
     top_k = expert_idx_TxK.shape[-1]
     body_fn = _MODES[mode]
     mesh = current_mesh()
     if mesh is None:
         capacity = _buffer_rows(mode, x_TxD.shape[0], top_k, n_experts, 1, capacity_factor, recv_factor)
+        w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD = (w.astype(dtype) for w in (w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD))
         return body_fn(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD,
                        n_experts=n_experts, ep=1, capacity=capacity, gemm=gemm, drop_policy=drop_policy,
                        collective=False, ffn_axis=None)
@@ -274,16 +309,19 @@ def routed_experts(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF
     capacity = _buffer_rows(mode, x_TxD.shape[0] // batch_shards, top_k, n_experts, ep, capacity_factor,
                             recv_factor)
     tokens = P(BATCH_AXES, None)
-    # Expert weights enter split over `expert` and, on the FFN dim, over the tensor axis (their stored
-    # sharding); their fsdp shards are all-gathered at the boundary. Tokens are replicated over tensor,
-    # so each tensor rank computes its FFN slice and the down projection is psum'd over tensor.
+    # Expert weights enter as stored: split over `expert`, over fsdp on d_model, and over the tensor axis on the
+    # FFN dim; inside, they are cast and all-gathered over fsdp (_weights_for_compute). Tokens are replicated over
+    # tensor, so each tensor rank computes its FFN slice and the down projection is psum'd over tensor.
     ffn_axis = FFN_AXIS if mesh.shape[FFN_AXIS] > 1 else None
-    w_in = P(EXPERT_AXIS, None, ffn_axis)  # gate, up: [E, D, F]
-    w_out = P(EXPERT_AXIS, ffn_axis, None)  # down: [E, F, D]
+    w_in = P(EXPERT_AXIS, FSDP_AXIS, ffn_axis)  # gate, up: [E, D, F]
+    w_out = P(EXPERT_AXIS, ffn_axis, FSDP_AXIS)  # down: [E, F, D]
     stats_spec = DispatchStats(P(), P(), P())
 
-    def body(*args):
-        return body_fn(*args, n_experts=n_experts, ep=ep, capacity=capacity, gemm=gemm,
+    def body(x, idx, w, w_gate, w_up, w_down):
+        sizes = (mesh.shape["data"], mesh.shape[FSDP_AXIS])
+        w_gate, w_up = (_weights_for_compute(w_, 1, dtype, f32_grad, sizes) for w_ in (w_gate, w_up))
+        w_down = _weights_for_compute(w_down, 2, dtype, f32_grad, sizes)
+        return body_fn(x, idx, w, w_gate, w_up, w_down, n_experts=n_experts, ep=ep, capacity=capacity, gemm=gemm,
                        drop_policy=drop_policy, collective=True, ffn_axis=ffn_axis)
 
     return jax.shard_map(

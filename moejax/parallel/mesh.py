@@ -18,6 +18,7 @@ from moejax.parallel.topology import detect_topology, device_domains, get_topolo
 # Tokens are split over every axis that is not model-parallel: experts see all of them through all-to-all.
 BATCH_AXES = ("data", "fsdp", "expert")
 EXPERT_AXIS = "expert"
+FSDP_AXIS = "fsdp"  # parameters' d_model ("embed") split (LOGICAL_RULES["embed"])
 FFN_AXIS = "tensor"  # expert FFN slices inside the dispatch shard_map (LOGICAL_RULES["expert_mlp"])
 
 LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
@@ -27,7 +28,7 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "act_embed": None,
     # parameters
     "vocab": "tensor",
-    "embed": "fsdp",
+    "embed": FSDP_AXIS,
     "mlp": "tensor",
     "heads": "tensor",
     "kv_heads": "tensor",
