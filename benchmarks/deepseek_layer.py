@@ -7,6 +7,11 @@ the same run. Prints a table and writes JSON.
     python benchmarks/deepseek_layer.py [--tokens 4096] [--seq 4096] [--dtype bfloat16] [--steps 10]
     python benchmarks/deepseek_layer.py --scale 0.125 --tokens 512 --seq 512 --dtype float32   # CPU smoke run
 
+Kernels are the config's strategies (moejax/kernels/resolve.py): `--attention` and `--expert_gemm` (default
+auto) are resolved against the platform of jax.devices()[0] (this is a one-device script) and printed; auto is
+xla / einsum on CPU, tokamax_mosaic / tokamax (dropless grouped GEMM) on GPU. A kernel the platform, the head
+dims or the installed packages cannot run is refused with the ConfigError saying what to change.
+
 Expert routing inside the slice: every token picks `--top_k` (default 2) of the 8 local experts, which is an
 EP32 GPU's average expert load (4096 tokens x top-8 / 32 ranks = 1024 = 4096 x 2 / 8 assignments per expert).
 """
@@ -14,7 +19,10 @@ EP32 GPU's average expert load (4096 tokens x top-8 / 32 ranks = 1024 = 4096 x 2
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import shlex
+import sys
 import time
 from pathlib import Path
 
@@ -23,12 +31,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from moejax.config import default_config
+from moejax.config import ATTENTION_KERNELS, EXPERT_GEMM_KERNELS, ConfigError, default_config
+from moejax.kernels.resolve import apply_kernels
 from moejax.model.accounting import FLOPS_PER_MAC_TRAIN, _attention_macs_per_token
 from moejax.model.transformer import Block
 
 
-def slice_config(scale: float, top_k: int, dtype: str):
+def slice_config(scale: float, top_k: int, dtype: str, attention: str = "auto", expert_gemm: str = "auto"):
     c = default_config()
     m, e = c.model, c.moe
     s = lambda n: max(8, int(n * scale))  # noqa: E731
@@ -40,7 +49,8 @@ def slice_config(scale: float, top_k: int, dtype: str):
     m.dtype, m.param_dtype = dtype, "float32"
     e.n_routed_experts, e.n_shared_experts, e.top_k, e.d_ff_expert = 8, 1, top_k, s(2048)
     e.score_func, e.routed_scaling, e.capacity_factor = "sigmoid", 2.5, 0.0
-    e.dispatch, e.backend = "dropless", "auto"
+    e.dispatch = "dropless"
+    c.kernels.attention, c.kernels.expert_gemm = attention, expert_gemm
     return c
 
 
@@ -51,7 +61,7 @@ def slice_flops(cfg, tokens: int, seq: int) -> float:
 
 
 def measured_matmul_peak(dtype, n: int = 8192, reps: int = 10) -> float:
-    a = jnp.ones((n, n), dtype)
+    a = jax.random.normal(jax.random.key(2), (n, n), dtype)  # random data: zeros / ones run faster than real data
     f = jax.jit(lambda x: x @ x)
     f(a).block_until_ready()
     t0 = time.perf_counter()
@@ -69,11 +79,18 @@ def main():
     p.add_argument("--top_k", type=int, default=2)
     p.add_argument("--scale", type=float, default=1.0, help="width multiplier (1.0 = DeepSeek-V3)")
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--matmul_n", type=int, default=8192)
+    p.add_argument("--matmul_n", type=int, default=0, help="peak matmul size; 0: 8192 (1024 on CPU)")
+    p.add_argument("--attention", default="auto", choices=ATTENTION_KERNELS, help="kernels.attention")
+    p.add_argument("--expert_gemm", default="auto", choices=EXPERT_GEMM_KERNELS, help="kernels.expert_gemm")
     p.add_argument("--json", default="benchmarks/results/deepseek_layer.json")
     args = p.parse_args()
 
-    cfg = slice_config(args.scale, args.top_k, args.dtype)
+    cfg = slice_config(args.scale, args.top_k, args.dtype, args.attention, args.expert_gemm)
+    platform = jax.devices()[0].platform
+    try:
+        print(apply_kernels(cfg, platform), flush=True)
+    except ConfigError as err:
+        sys.exit(f"deepseek_layer: {err}")
     dt = jnp.dtype(args.dtype)
     block = Block(cfg, moe=True, rngs=nnx.Rngs(0))
     graphdef, params, rest = nnx.split(block, nnx.Param, ...)
@@ -101,15 +118,20 @@ def main():
     jax.block_until_ready(out)
     step_s = (time.perf_counter() - t0) / args.steps
     flops = slice_flops(cfg, args.tokens, args.seq)
-    peak = measured_matmul_peak(dt, args.matmul_n)
-    row = {"device": jax.devices()[0].device_kind, "dtype": args.dtype, "tokens": args.tokens, "seq": args.seq,
+    peak = measured_matmul_peak(dt, args.matmul_n or (1024 if platform == "cpu" else 8192))
+    row = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+           "command": shlex.join(["python", *sys.argv]), "jax": jax.__version__, "platform": platform,
+           "kernels": {k: cfg.kernels[k] for k in ("attention", "expert_gemm")},
+           "device": jax.devices()[0].device_kind, "dtype": args.dtype, "tokens": args.tokens, "seq": args.seq,
            "scale": args.scale, "d_model": cfg.model.d_model, "experts": 8, "top_k": args.top_k,
            "compile_s": round(compile_s, 2), "step_ms": round(step_s * 1e3, 3),
            "model_tflop_per_step": flops / 1e12, "tflops": flops / step_s / 1e12,
            "matmul_peak_tflops": peak / 1e12, "mfu_vs_measured_peak": flops / step_s / peak}
-    print(f"{'device':<24}{'dtype':<10}{'tokens':>8}{'step ms':>10}{'TFLOP/s':>10}{'peak TFLOP/s':>14}{'MFU':>8}")
-    print(f"{row['device']:<24}{row['dtype']:<10}{row['tokens']:>8}{row['step_ms']:>10.2f}{row['tflops']:>10.2f}"
-          f"{row['matmul_peak_tflops']:>14.1f}{row['mfu_vs_measured_peak']:>8.1%}")
+    kernels = f"{cfg.kernels.attention}/{cfg.kernels.expert_gemm}"
+    print(f"{'device':<24}{'dtype':<10}{'attn/gemm':<24}{'tokens':>8}{'step ms':>10}{'TFLOP/s':>10}"
+          f"{'peak TFLOP/s':>14}{'MFU':>8}")
+    print(f"{row['device']:<24}{row['dtype']:<10}{kernels:<24}{row['tokens']:>8}{row['step_ms']:>10.2f}"
+          f"{row['tflops']:>10.2f}{row['matmul_peak_tflops']:>14.1f}{row['mfu_vs_measured_peak']:>8.1%}")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(row, indent=2))
 
