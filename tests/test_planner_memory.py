@@ -41,12 +41,21 @@ def _block_shapes(cfg, micro_batch, ep, remat="none", platform="gpu"):
 
 
 def test_logits_and_log_softmax_of_every_head():
-    """[micro_batch, seq, vocab] f32 logits and log-softmax per head (main + MTP), one head's f32 cotangent and
-    its logits' gradient; the log-softmax is not counted twice (it is a saved residual too)."""
+    """Dense loss kernel: [micro_batch, seq, vocab] f32 logits and log-softmax per head (main + MTP), one head's
+    f32 cotangent and its logits' gradient; the log-softmax is not counted twice (it is a saved residual too).
+    Chunked (the default): one chunk's f32 logits, f32 softmax and bf16 gradient, and no [B, L, V] residual."""
     cfg = runpy.run_path(str(ROOT / "configs" / "deepseek_v3_small.py"))["get_config"]()
     cfg.model.vocab_size, cfg.model.dtype = 1024, "bfloat16"
     mb, seq = 2, int(cfg.train.seq_len)
     heads = 1 + cfg.model.mtp_depth
+    cfg.kernels.loss_chunk = 32
+    for tensor in (1, 2):
+        a = activation_terms(cfg, mb, seq, "full", tensor=tensor)
+        assert a.logits == mb * 32 * (1024 // tensor) * (F32 + F32 + 2)
+    c = trace_config(cfg, remat="full")
+    saved = activations._saved(c.to_json_best_effort(sort_keys=True), mb, seq, 1)
+    assert not [s for s, size in saved if s and s[-1] == 1024], saved
+    cfg.kernels.loss = "dense"
     for tensor in (1, 2):
         a = activation_terms(cfg, mb, seq, "full", tensor=tensor)
         assert a.logits == mb * seq * (1024 // tensor) * (heads * (F32 + F32) + F32 + 2)

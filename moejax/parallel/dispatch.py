@@ -265,7 +265,8 @@ def _weights_for_compute(w_shard, d_model_dim: int, dtype, f32_grad: bool, sizes
     if sizes[1] > 1:
         w = jax.lax.all_gather(w, FSDP_AXIS, axis=d_model_dim, tiled=True)
     # The in_spec does not split the weights over data (invariant there); all_gather leaves them varying over fsdp.
-    return jax.lax.pcast(w, ("data",), to="varying")
+    # With data of size 1 there is nothing to sum: shard_map's own (compute-dtype) pvary/psum pair is a no-op.
+    return jax.lax.pcast(w, ("data",), to="varying") if sizes[0] > 1 else w
 
 
 def _weights_fwd(w_shard, d_model_dim, dtype, f32_grad, sizes):
@@ -274,7 +275,8 @@ def _weights_fwd(w_shard, d_model_dim, dtype, f32_grad, sizes):
 
 def _weights_bwd(d_model_dim, dtype, f32_grad, sizes, param_dtype_0, grad_w):
     grad_w = grad_w.astype(jnp.float32 if f32_grad else dtype)
-    grad_w = jax.lax.psum(grad_w, "data")
+    if sizes[0] > 1:
+        grad_w = jax.lax.psum(grad_w, "data")
     if sizes[1] > 1:
         grad_w = jax.lax.psum_scatter(grad_w, FSDP_AXIS, scatter_dimension=d_model_dim, tiled=True)
     return (grad_w.astype(param_dtype_0.dtype),)

@@ -4,7 +4,7 @@ device groups, and how often one run of the program executes it. The one HLO col
 GSPMD-inserted collectives exist only in the compiled text, not in the lowered StableHLO. Bytes are per
 device: the buffer each collective fills (all-to-all, all-gather: the result; reduce-scatter: its input, the
 result times the group size; all-reduce: the result). Async pairs are counted once, at their -start op.
-Bytes are also split by the element type the collective moves (`Collective.by_dtype`, `bytes_by_dtype`):
+A collective whose groups all have one device moves nothing and is skipped. Bytes are also split by the element type the collective moves (`Collective.by_dtype`, `bytes_by_dtype`):
 the compiled program's, which need not be the model's (XLA:CPU's float-normalization-bf16 pass widens bf16
 collectives to f32, with converts before and after, so a CPU compile moves bf16 traffic at 2x its bytes).
 
@@ -190,6 +190,8 @@ def collectives(hlo_text: str) -> list[Collective]:
         if not m or "-done(" in line or comp is None or times.get(comp, 0) == 0:
             continue
         groups = replica_groups(line, n_devices)
+        if all(len(g) <= 1 for g in groups):
+            continue  # groups of one device (a reduction over a mesh axis of size 1): nothing moves
         by_dtype = _bytes_by_dtype(_destination(m["result"], started="-start(" in line))
         if m["kind"] == "reduce-scatter":
             by_dtype = {t: n * len(groups[0]) for t, n in by_dtype.items()}

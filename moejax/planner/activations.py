@@ -10,11 +10,13 @@ so MHA/GQA/MLA/MoE/MTP need no formulas:
               (largest block kind: dense or MoE; an MTP module's block is a MoE block). Under the XLA
               reference attention (`jax.nn.dot_product_attention`'s default) this holds the [B, H, L, L]
               scores and probabilities; for the MoE it holds the dispatch buffers and expert activations.
-  logits      the loss over the vocabulary, until a fused loss lands: [micro_batch, seq, vocab] logits in
-              f32 and their f32 log-softmax for every head (main + each MTP module: the model returns all
-              heads' logits before the loss reads them), and in the backward one head's f32 cotangent of the
-              log-softmax (the scatter at the targets) and its logits' gradient in the compute dtype. The
-              log-softmax is a saved residual, moved here from `saved` so that it is counted once.
+  logits      the loss over the vocabulary. The chunked kernel (kernels.loss auto/chunked) holds one chunk at a
+              time: [micro_batch, loss_chunk, vocab] f32 logits and, in the backward, with their f32 softmax and
+              the logits' gradient in the compute dtype.
+              The dense kernel: [micro_batch, seq, vocab] logits in f32 and their f32 log-softmax for every
+              head, and in the backward one head's f32 cotangent of the log-softmax and its logits' gradient
+              in the compute dtype; the log-softmax is a saved residual, moved here from `saved` so that it
+              is counted once.
 
 `layer` and `logits` are transients of different phases (the loss, the layers' backward): the peak holds
 the larger of the two.
@@ -79,6 +81,8 @@ def trace_config(cfg, *, remat: str, dispatch: str | None = None, platform: str 
             c.kernels.expert_gemm = "ragged_dot" if ragged_on_gpu else "einsum"
         # The trace runs in this (CPU) process: a GPU attention kernel is traced as XLA's.
         c.kernels.attention = "xla"
+        if c.kernels.loss == "auto":
+            c.kernels.loss = "chunked"
     return c
 
 
@@ -97,7 +101,7 @@ def _collect(residuals, skip=lambda aval, source: False) -> tuple[Residual, ...]
 
 
 def _is_log_softmax(aval, source: str) -> bool:
-    return "log_softmax" in source and "masked_cross_entropy" in source
+    return "log_softmax" in source and ("masked_cross_entropy" in source or "dense_cross_entropy" in source)
 
 
 def abstract_loss(cfg):
@@ -188,6 +192,11 @@ def activation_terms(cfg, micro_batch: int, seq_len: int, remat: str, *, tensor:
             kept = _bytes(_block(key, moe, micro_batch, seq_len, e, remat), d_model, e, tensor) if remat != "full" else 0
             layer = max(layer, without - kept)
     heads = 1 + int(m.get("mtp_depth", 0))
-    per_head = micro_batch * seq_len * -(-int(m.vocab_size) // tensor)
-    logits = per_head * (heads * (4 + 4) + 4 + jnp.dtype(m.dtype).itemsize)
+    vocab = -(-int(m.vocab_size) // tensor)
+    if c.kernels.loss == "dense":
+        per_head = micro_batch * seq_len * vocab
+        logits = per_head * (heads * (4 + 4) + 4 + jnp.dtype(m.dtype).itemsize)
+    else:  # chunked (kernels/cross_entropy.py): one chunk at a time; its backward holds the recomputed f32
+        # logits, their f32 softmax and the logits' gradient in the compute dtype together
+        logits = micro_batch * min(int(c.kernels.loss_chunk), seq_len) * vocab * (4 + 4 + jnp.dtype(m.dtype).itemsize)
     return ActivationBytes(saved, layer, logits)

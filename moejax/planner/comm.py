@@ -12,7 +12,8 @@ The rules, per step (n_micro passes of forward + backward; layers' collectives r
                    gather after the cast: we assume the param dtype)
   gradient sums    a weight replicated over batch axes has its gradient summed over them. GSPMD sums an
                    fsdp-sharded weight's full gradient over fsdp and then its shard over the other replica
-                   axes; expert weights (inside shard_map) are summed in full over every non-expert batch axis
+                   axes; expert weights (inside shard_map) are cast and gathered in the compute dtype, and their
+                   gradient summed over data, then reduce-scattered over fsdp, in f32 (grad_reduce_dtype)
   tensor           a weight whose input dim is split over tensor (row-parallel) all-reduces its output in the
                    forward (and its recompute); one whose output dim is split (column-parallel) all-reduces
                    its input gradient in the backward. Rows: the device's tokens, or E*C for expert weights
@@ -110,12 +111,22 @@ def step_traffic(cfg, layout: Layout, seq_len: int | None = None) -> list[Traffi
         shard = leaf.local_bytes(sizes)
         if f > 1:
             gathers = (2 if leaf.stacked else 1) * n_micro
-            out.append(Traffic("all-gather", ("fsdp",), shard * f, gathers, f"fsdp gather {leaf.path}", param_t))
+            if leaf.expert:  # cast, then gathered inside the dispatch shard_map: compute-dtype bytes
+                out.append(Traffic("all-gather", ("fsdp",), shard * f * act // leaf.itemsize, gathers,
+                                   f"fsdp gather {leaf.path}", act_t))
+            else:
+                out.append(Traffic("all-gather", ("fsdp",), shard * f, gathers, f"fsdp gather {leaf.path}", param_t))
         replicas = _group([a for a in BATCH_AXES if not leaf.sharded_over(a)], sizes)
         if leaf.expert:
-            axes = _group([a for a in BATCH_AXES if a != "expert"], sizes)
-            if axes:
-                out.append(Traffic("all-reduce", axes, shard * f, n_micro, f"grad sum {leaf.path}", param_t))
+            # dispatch._weights_for_compute: the full (fsdp-gathered) gradient summed over data, then
+            # reduce-scattered over fsdp, in f32 (model.grad_reduce_dtype) or the compute dtype.
+            grad_t = "f32" if m.get("grad_reduce_dtype", "float32") == "float32" else act_t
+            full = shard * f * (4 if grad_t == "f32" else act) // leaf.itemsize
+            if sizes["data"] > 1:
+                out.append(Traffic("all-reduce", ("data",), full, n_micro, f"grad sum {leaf.path}", grad_t))
+            if f > 1:
+                out.append(Traffic("reduce-scatter", ("fsdp",), full, n_micro, f"grad sum (fsdp) {leaf.path}",
+                                   grad_t))
         else:
             if f > 1:
                 out.append(Traffic("all-reduce", ("fsdp",), shard * f, n_micro, f"grad sum (fsdp) {leaf.path}",
