@@ -1,11 +1,13 @@
 # Two commands do all the set-up on a fresh machine with Python 3.11+:
 #   make train   -> virtualenv, install, train configs/tiny.py on the embedded corpus (8 emulated CPU devices)
 #   make test    -> virtualenv, install with test extras, run the suite on the emulated 8-device mesh
-# CI also runs `make test-newest`: the suite on the newest jax, which needs Python >= 3.12 (PY_NEWEST).
+# CI also runs `make test-newest`: the suite on the newest jax, which needs Python >= 3.12 (PY_NEWEST), and
+# `make test-gpu`: the training step compiled for 8 H200s with XLA:GPU (no GPU needed), asserted on.
 PY ?= python3
 VENV ?= .venv
 PY_NEWEST ?= $(shell for p in python3.13 python3.12 $$HOME/.pyenv/versions/3.12*/bin/python; do "$$p" -c 'import sys; assert sys.version_info >= (3, 12)' >/dev/null 2>&1 && { command -v "$$p"; break; }; done)
 VENV_NEWEST ?= .venv-newest
+VENV_GPU ?= .venv-gpu
 WORKDIR ?= runs/tiny
 CONFIG ?= configs/tiny.py
 CPU_MESH = XLA_FLAGS="$${XLA_FLAGS:-} --xla_force_host_platform_device_count=8"
@@ -29,6 +31,15 @@ $(VENV_NEWEST)/.installed: pyproject.toml
 	$(VENV_NEWEST)/bin/python -m pip install -q -e '.[test]'
 	touch $@
 
+# The deviceless GPU compile (XLA:GPU through jax's CUDA plugin, tokamax kernels): the `gpu` extra, about 3.5 GB
+# of wheels, Python >= 3.12. No GPU or driver needed.
+$(VENV_GPU)/.installed: pyproject.toml
+	@test -n "$(PY_NEWEST)" || { echo "make test-gpu: no Python >= 3.12 found; set PY_NEWEST=/path/to/python3.12" >&2; exit 2; }
+	$(PY_NEWEST) -m venv $(VENV_GPU)
+	$(VENV_GPU)/bin/python -m pip install -q --upgrade pip
+	$(VENV_GPU)/bin/python -m pip install -q -e '.[gpu,test]'
+	touch $@
+
 install: $(VENV)/.installed
 
 train: $(VENV)/.installed
@@ -41,7 +52,10 @@ test-newest: $(VENV_NEWEST)/.installed
 	$(VENV_NEWEST)/bin/python -c "import jax, flax; print('newest: jax', jax.__version__, 'flax', flax.__version__)"
 	$(VENV_NEWEST)/bin/python -m pytest -n 2 tests
 
+test-gpu: $(VENV_GPU)/.installed
+	MOEJAX_GPU_COMPILE=1 JAX_PLATFORMS=cpu $(VENV_GPU)/bin/python -m pytest -q tests/test_gpu_compile.py
+
 bench: $(VENV)/.installed
 	$(VENV)/bin/python benchmarks/train_step.py --config $(CONFIG)
 
-.PHONY: install train test test-newest bench
+.PHONY: install train test test-newest test-gpu bench

@@ -219,16 +219,24 @@ def emulate_cpu_devices(n_devices: int) -> None:
                          f"{jax.device_count()}; call moejax.dry_run before anything else uses jax")
 
 
-def dry_run(cfg, n_devices: int | None = None) -> dict:
+def dry_run(cfg, n_devices: int | None = None, target: str | None = None) -> dict:
     """Compiles the real training step for an emulated mesh of n_devices CPU devices (default:
     mesh_device_count of the config) with abstract state, and returns XLA's per-device memory, FLOPs and collectives next to the
     planner's prediction (what `moejax-train --dry_run` prints and writes to dry_run.json)."""
     n = int(n_devices) if n_devices else mesh_device_count(cfg.mesh)
     validate(cfg, n)  # before the device count is fixed for this process
-    emulate_cpu_devices(n)
+    if target:  # a GPU compile without a GPU: XLA:GPU through jax's CUDA plugin, compile-only devices
+        from moejax.planner.gpu_targets import check_gpu_compile_installed, get_target, prepare_process_for_gpu_compile
+
+        gpu = get_target(target)
+        check_gpu_compile_installed(gpu)
+        gpu.topology_string(n)  # device count vs hosts and NVLink domains, before jax starts
+        prepare_process_for_gpu_compile()
+    else:
+        emulate_cpu_devices(n)
     from moejax.planner.dry_run import dry_run as compile_and_compare
 
-    return compile_and_compare(cfg, n)
+    return compile_and_compare(cfg, n, target)
 
 
 def plan(cfg, *, topology: str, gpus: Sequence[int], efficiency: float = 0.5, domain_size: int = 0,

@@ -37,6 +37,9 @@ flags.DEFINE_bool("dry_run", False, "compile the train step for an emulated mesh
 flags.DEFINE_integer("dry_run_devices", 0, "emulated devices for --dry_run (0: the product of the mesh axes; "
                      "with an axis of -1, the smallest multiple of the others' product that is >= 8)",
                      flag_values=FLAGS)
+flags.DEFINE_string("dry_run_target", "", "compile --dry_run for NVIDIA GPUs with XLA:GPU on this machine, no GPU "
+                    "needed: h200 | b200 | gb300 (needs the gpu extra); empty: emulated CPU devices",
+                    flag_values=FLAGS)
 
 PROG = "moejax-train"
 
@@ -107,8 +110,10 @@ def _dry_run(cfg) -> int:
     from moejax import api
     from moejax.errors import InputError
 
+    # tokamax logs every autotuning-cache miss (no device to autotune on in a deviceless compile).
+    logging.getLogger("absl").setLevel(logging.ERROR)
     try:
-        report = api.dry_run(cfg, FLAGS.dry_run_devices or None)
+        report = api.dry_run(cfg, FLAGS.dry_run_devices or None, FLAGS.dry_run_target or None)
     except InputError as e:
         return _usage_error(str(e))
     from moejax.planner.dry_run import format_report

@@ -13,6 +13,7 @@ bytes in the XLA column. Both columns are also broken down by the element type m
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import jax
@@ -20,10 +21,13 @@ import jax.numpy as jnp
 
 from moejax.config import validate
 from moejax.model.accounting import flops_per_token
+from moejax.kernels.resolve import apply_kernels, devices_platform
 from moejax.parallel.hlo_collectives import bytes_by_dtype, collectives
+from moejax.parallel.hlo_kernels import kernel_inventory
 from moejax.parallel.mesh import batch_sharding, make_mesh
 from moejax.parallel.topology import TOPOLOGIES, get_topology
 from moejax.planner.comm import buffer_bytes_by_link, step_traffic
+from moejax.planner.gpu_targets import compile_only_devices, cross_compiling, get_target
 from moejax.planner.comm import bytes_by_dtype as planned_bytes_by_dtype
 from moejax.planner.layout import Layout
 from moejax.planner.memory import estimate_memory
@@ -33,30 +37,45 @@ from moejax.program.state import abstract_state, model_graphdef, state_shardings
 from moejax.program.step import jit_train_step
 
 
-def dry_run(cfg, n_devices: int) -> dict:
+def dry_run(cfg, n_devices: int, target: str | None = None, *, keep_hlo: bool = False) -> dict:
+    """target None: n emulated CPU devices (XLA:CPU); 'h200' | 'b200' | 'gb300': n compile-only GPUs (XLA:GPU,
+    planner/gpu_targets.py), with the kernels `auto` resolves to on GPUs."""
     sizes = validate(cfg, n_devices)
-    name = cfg.mesh.topology if cfg.mesh.topology != "auto" else "cpu"
-    topo = get_topology(name) if name in TOPOLOGIES else TOPOLOGIES["cpu"]
-    domain = domain_size_for(topo, n_devices, int(cfg.mesh.domain_size)) if topo.domain_size else n_devices
-    devices = jax.devices()[:n_devices]
-    mesh = make_mesh(sizes, devices, topology="cpu", domain_size=domain,
+    gpu = get_target(target) if target else None
+    if gpu:
+        topo = get_topology(gpu.topology)
+        domain = min(gpu.domain_size, n_devices)
+        devices = compile_only_devices(gpu, n_devices)
+        compiling = cross_compiling(devices[0])
+    else:
+        name = cfg.mesh.topology if cfg.mesh.topology != "auto" else "cpu"
+        topo = get_topology(name) if name in TOPOLOGIES else TOPOLOGIES["cpu"]
+        domain = domain_size_for(topo, n_devices, int(cfg.mesh.domain_size)) if topo.domain_size else n_devices
+        devices = jax.devices()[:n_devices]
+        compiling = contextlib.nullcontext()
+    platform = devices_platform(devices)
+    kernels_line = apply_kernels(cfg, platform)
+    mesh = make_mesh(sizes, devices, topology=gpu.topology if gpu else "cpu", domain_size=domain,
                      allow_cross_domain=bool(cfg.mesh.allow_cross_domain_experts))
     tx = make_optimizer(cfg.optim)
     abstract = abstract_state(cfg, tx)
     shardings = state_shardings(abstract, mesh)
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-    batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.train.seq_len + 1), jnp.int32,
-                                 sharding=batch_sharding(mesh))
+    # What the training loop feeds: packed rows with their document ids.
+    rows = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.train.seq_len + 1), jnp.int32,
+                                sharding=batch_sharding(mesh))
+    batch = {"tokens": rows, "segment_ids": rows}
     start = time.perf_counter()
-    with jax.set_mesh(mesh):
+    with compiling, jax.set_mesh(mesh):
         compiled = jit_train_step(cfg, model_graphdef(cfg), tx, mesh, shardings).lower(state, batch).compile()
     compile_s = time.perf_counter() - start
 
     mem = compiled.memory_analysis()
     xla_bytes = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
-    cost = compiled.cost_analysis()
+    cost = compiled.cost_analysis() or {}  # XLA:GPU without a device: None
     cost = cost[0] if isinstance(cost, list) else cost
-    colls = collectives(compiled.as_text())
+    hlo = compiled.as_text()
+    colls = collectives(hlo)
     domain_of = {d.id: i // domain for i, d in enumerate(sorted(devices, key=lambda d: (d.process_index, d.id)))}
     hlo_links = {"nvlink": 0, "nic": 0}
     hlo_kinds: dict[str, int] = {}
@@ -67,7 +86,7 @@ def dry_run(cfg, n_devices: int) -> dict:
 
     layout = Layout(**sizes, remat=cfg.model.remat, micro_batch=cfg.train.global_batch // (sizes["data"] * sizes["fsdp"] * sizes["expert"]),
                     dispatch=cfg.moe.dispatch)
-    predicted_mem = estimate_memory(cfg, layout, platform="cpu")
+    predicted_mem = estimate_memory(cfg, layout, platform=platform)
     traffic = step_traffic(cfg, layout)
     pred_kinds: dict[str, int] = {}
     for t in traffic:
@@ -77,18 +96,24 @@ def dry_run(cfg, n_devices: int) -> dict:
     notes = []
     widened = sorted(k for k, d in plan_dtypes.items()
                      if d.get("bf16") and not xla_dtypes.get(k, {}).get("bf16") and xla_dtypes.get(k, {}).get("f32"))
-    if widened and jax.devices()[0].platform == "cpu":
+    if widened and platform == "cpu":
         ratios = ", ".join(f"{k} {xla_dtypes[k]['f32'] / 1e6:.2f} MB f32 = {xla_dtypes[k]['f32'] / plan_dtypes[k]['bf16']:.2f}x "
                            f"the planner's {plan_dtypes[k]['bf16'] / 1e6:.2f} MB bf16" for k in widened)
         notes.append("XLA:CPU moves bf16 collectives as f32 (its float-normalization-bf16 pass converts the "
                      f"operands), so the XLA column counts them at 2x: {ratios}; the planner column is at the "
                      "model's dtypes, what a GPU moves")
     return {
+        **({"hlo": hlo} if keep_hlo else {}),
         "devices": n_devices, "mesh": sizes, "domain_size": domain, "layout": layout.name(),
-        "compile_s": compile_s, "platform": jax.devices()[0].platform, "notes": notes,
+        "compile_s": compile_s, "platform": platform, "target": gpu.name if gpu else "cpu",
+        "device_kind": devices[0].device_kind, "notes": notes,
+        "kernels": {k: cfg.kernels[k] for k in ("attention", "expert_gemm", "loss")}, "kernels_line": kernels_line,
+        "collectives": [{"kind": c.kind, "bytes": c.bytes, "count": c.count, "dtypes": dict(c.by_dtype),
+                         "group_size": len(c.groups[0]), "op": c.op_name[-120:]} for c in colls],
         "xla": {"memory_bytes": xla_bytes, "argument_bytes": mem.argument_size_in_bytes,
                 "output_bytes": mem.output_size_in_bytes, "alias_bytes": mem.alias_size_in_bytes,
                 "temp_bytes": mem.temp_size_in_bytes, "flops": float(cost.get("flops", 0.0)),
+                "kernels": kernel_inventory(hlo),
                 "collective_bytes": hlo_kinds, "collective_bytes_by_dtype": xla_dtypes,
                 "collective_bytes_by_link": hlo_links},
         "plan": {"memory_bytes": predicted_mem.total, "memory": predicted_mem.to_dict(),
@@ -105,9 +130,13 @@ def _dtypes(by_dtype: dict[str, int]) -> str:
 def format_report(r: dict) -> str:
     gib = 2**30
     x, p = r["xla"], r["plan"]
+    where = (f"{r['devices']} compile-only {r.get('device_kind', 'GPU')} (XLA:GPU, no device)"
+             if r.get("platform") == "gpu" else f"{r['devices']} emulated devices")
     lines = [
-        f"dry run: {r['layout']} on {r['devices']} emulated devices (NVLink domain {r['domain_size']}), "
-        f"compiled in {r['compile_s']:.1f}s; per device:",
+        f"dry run: {r['layout']} on {where} (NVLink domain {r['domain_size']}), "
+        f"compiled in {r['compile_s']:.1f}s",
+        f"  {r.get('kernels_line', '')}",
+        "  per device:",
         f"  {'':28s} {'XLA':>12s} {'planner':>12s}",
         f"  {'memory (GiB)':28s} {x['memory_bytes'] / gib:12.3f} {p['memory_bytes'] / gib:12.3f}"
         f"   (XLA: arguments {x['argument_bytes'] / gib:.3f} + temp {x['temp_bytes'] / gib:.3f}, outputs aliased)",
@@ -122,7 +151,17 @@ def format_report(r: dict) -> str:
     for link in ("nvlink", "nic"):
         lines.append(f"  {'on ' + link + ' (MB/step)':28s} {x['collective_bytes_by_link'][link] / 1e6:12.2f} "
                      f"{p['collective_bytes_by_link'][link] / 1e6:12.2f}")
-    lines.append(f"  {'FLOPs (TFLOP/step)':28s} {x['flops'] / 1e12:12.4f} {p['model_flops_per_device'] / 1e12:12.4f}"
-                 "   (XLA counts a scan body once; the planner column is model FLOPs for all layers)")
+    if x["flops"]:
+        lines.append(f"  {'FLOPs (TFLOP/step)':28s} {x['flops'] / 1e12:12.4f} {p['model_flops_per_device'] / 1e12:12.4f}"
+                     "   (XLA counts a scan body once; the planner column is model FLOPs for all layers)")
+    if "kernels" in x:
+        calls = ", ".join(f"{t} x{n}" for t, n in x["kernels"]["custom_calls"].items()) or "none"
+        fusions = ", ".join(f"{t} x{n}" for t, n in x["kernels"]["fusions"].items()) or "none"
+        lines += [f"  custom calls (as in the text): {calls}", f"  fusions: {fusions}"]
+    if r.get("collectives"):
+        lines.append(f"  {'collective':20s} {'dtype':>10s} {'group':>6s} {'MB each':>10s} {'x/step':>7s}  op")
+        for c in sorted(r["collectives"], key=lambda c: -c["bytes"] * c["count"]):
+            lines.append(f"  {c['kind']:20s} {'+'.join(c['dtypes']):>10s} {c['group_size']:6d} "
+                         f"{c['bytes'] / 1e6:10.3f} {c['count']:7d}  {c['op'][-60:]}")
     lines += [f"  note: {n}" for n in r.get("notes", ())]
     return "\n".join(lines)

@@ -1,0 +1,33 @@
+"""What a compiled program runs, read from its HLO text: custom-call targets (cuDNN attention, Mosaic GPU and
+Triton kernels, cuBLAS GEMMs) and fusion kinds (XLA:GPU's kLoop / kInput / kOutput, and kCustom fusions named
+by their backend kind, e.g. Triton GEMMs), each with its count as it appears in the text (a scan body once).
+Also the array shapes the program holds, for tests that assert a buffer does not exist."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+_CUSTOM_CALL = re.compile(r'custom_call_target="(?P<target>[^"]+)"')
+_FUSION = re.compile(r"\bfusion\(.*?kind=(?P<kind>k\w+)")
+_BACKEND_KIND = re.compile(r'"kind":"(?P<kind>[^"]+)"')
+_ARRAY = re.compile(r"\b(?P<dtype>pred|[suf]\d+|bf16|f8e\w+)\[(?P<dims>[0-9,]*)\]")
+
+
+def kernel_inventory(hlo_text: str) -> dict[str, dict[str, int]]:
+    """{'custom_calls': {target: count}, 'fusions': {kind[:backend kind]: count}}."""
+    calls, fusions = Counter(), Counter()
+    for line in hlo_text.splitlines():
+        if m := _CUSTOM_CALL.search(line):
+            calls[m["target"]] += 1
+        if (m := _FUSION.search(line)) and "=" in line.split("fusion(")[0]:
+            kind = m["kind"]
+            if kind == "kCustom" and (b := _BACKEND_KIND.search(line)):
+                kind = f"{kind}:{b['kind']}"
+            fusions[kind] += 1
+    return {"custom_calls": dict(calls.most_common()), "fusions": dict(fusions.most_common())}
+
+
+def array_shapes(hlo_text: str) -> set[tuple[str, tuple[int, ...]]]:
+    """Every (element type, dims) that appears in the program."""
+    return {(m["dtype"], tuple(int(d) for d in m["dims"].split(",") if d)) for m in _ARRAY.finditer(hlo_text)}

@@ -1,0 +1,79 @@
+"""Kernel choices: `auto` by platform, concrete choices checked against platform, shapes and installed packages
+(one-line ConfigError, never a silent fallback), and the document mask every attention kernel is given."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moejax.config import ConfigError, default_config
+from moejax.kernels import resolve
+from moejax.kernels.attention import attention, document_mask, document_start
+
+
+def mla_config():
+    c = default_config()
+    m = c.model
+    m.attention, m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim = "mla", 32, 128, 64, 128
+    m.dtype = "bfloat16"
+    return c
+
+
+def test_auto_on_cpu_and_gpu(monkeypatch):
+    c = mla_config()
+    assert resolve.resolve_kernels(c, "cpu") == {"attention": "xla", "expert_gemm": "einsum", "loss": "chunked"}
+    monkeypatch.setattr(resolve, "tokamax_available", lambda: True)
+    c.moe.dispatch = "dropless"
+    assert resolve.resolve_kernels(c, "gpu") == {"attention": "tokamax_mosaic", "expert_gemm": "tokamax",
+                                                 "loss": "chunked"}
+    monkeypatch.setattr(resolve, "tokamax_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"needs tokamax, which is not installed: pip install 'moejax\[gpu\]'"):
+        resolve.resolve_kernels(c, "gpu")
+
+
+@pytest.mark.parametrize("field,value,platform,message", [
+    ("attention", "cudnn", "cpu", "runs on NVIDIA GPUs only"),
+    ("attention", "cudnn", "gpu", "head dims up to 128, this model's are q/k 192, v 128"),
+    ("attention", "tokamax_triton", "cpu", "runs on NVIDIA GPUs only"),
+    ("expert_gemm", "ragged_dot", "gpu", "rewrites lax.ragged_dot into masked dense dots"),
+    ("expert_gemm", "tokamax", "cpu", "runs on NVIDIA GPUs only"),
+])
+def test_a_kernel_that_cannot_run_is_a_config_error(field, value, platform, message, monkeypatch):
+    monkeypatch.setattr(resolve, "tokamax_available", lambda: True)
+    c = mla_config()
+    c.kernels[field] = value
+    with pytest.raises(ConfigError, match=message):
+        resolve.resolve_kernels(c, platform)
+
+
+def test_apply_kernels_writes_what_runs_and_says_so():
+    c = mla_config()
+    line = resolve.apply_kernels(c, "cpu")
+    assert (c.kernels.attention, c.kernels.expert_gemm, c.kernels.loss) == ("xla", "einsum", "chunked")
+    assert line == "kernels on cpu: attention=xla (auto), expert_gemm=einsum (auto), loss=chunked (auto)"
+
+
+def test_document_start_is_the_segment_mask_under_causality():
+    rng = np.random.default_rng(0)
+    seg = np.cumsum(rng.random((3, 40)) < 0.15, axis=1).astype(np.int32)  # contiguous documents, packed rows
+    start = np.asarray(document_start(jnp.asarray(seg)))
+    q, k = np.arange(40)[:, None], np.arange(40)[None, :]
+    from_start = (k >= start[:, :, None]) & (k <= q)
+    from_mask = np.asarray(document_mask(jnp.asarray(seg)))[:, 0] & (k <= q)
+    np.testing.assert_array_equal(from_start, from_mask)
+
+
+def test_xla_attention_with_mla_head_dims():
+    """The reference kernel: v's head dim (128) below q/k's (192), causal within documents."""
+    kq, kk, kv = jax.random.split(jax.random.key(1), 3)
+    q = jax.random.normal(kq, (2, 16, 4, 24))
+    k = jax.random.normal(kk, (2, 16, 4, 24))
+    v = jax.random.normal(kv, (2, 16, 4, 8))
+    seg = jnp.asarray(np.repeat([[0, 0, 1, 1]], 2, axis=0).repeat(4, axis=1), jnp.int32)
+    out = attention(q, k, v, seg, 0.3, kernel="xla")
+    logits = jnp.einsum("bqhk,bshk->bhqs", q, k) * 0.3
+    allowed = np.asarray(document_mask(seg)) & np.tril(np.ones((16, 16), bool))
+    ref = jnp.einsum("bhqs,bshv->bqhv", jax.nn.softmax(jnp.where(allowed, logits, -1e30), axis=-1), v)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
