@@ -21,23 +21,17 @@ $(VENV)/.installed: pyproject.toml
 	$(VENV)/bin/python -m pip install -q -e '.[test,hf]'
 	touch $@
 
-# The newest jax/flax a fresh `pip install` gets (Python 3.12+). torch has no CPU wheel on this machine for 3.12
-# and PyPI's is a multi-GB CUDA build, so the `hf` extra is left out: the transformers comparisons skip here
-# and run in `make test`.
-$(VENV_NEWEST)/.installed: pyproject.toml
-	@test -n "$(PY_NEWEST)" || { echo "make test-newest: no Python >= 3.12 found; set PY_NEWEST=/path/to/python3.12" >&2; exit 2; }
-	$(PY_NEWEST) -m venv $(VENV_NEWEST)
-	$(VENV_NEWEST)/bin/python -m pip install -q --upgrade pip
-	$(VENV_NEWEST)/bin/python -m pip install -q -e '.[test]'
-	touch $@
-
-# The deviceless GPU compile (XLA:GPU through jax's CUDA plugin, tokamax kernels): the `gpu` extra, about 3.5 GB
-# of wheels, Python >= 3.12. No GPU or driver needed.
-$(VENV_GPU)/.installed: pyproject.toml
-	@test -n "$(PY_NEWEST)" || { echo "make test-gpu: no Python >= 3.12 found; set PY_NEWEST=/path/to/python3.12" >&2; exit 2; }
-	$(PY_NEWEST) -m venv $(VENV_GPU)
-	$(VENV_GPU)/bin/python -m pip install -q --upgrade pip
-	$(VENV_GPU)/bin/python -m pip install -q -e '.[gpu,test]'
+# Python >= 3.12 virtualenvs. $(VENV_NEWEST): the newest jax/flax a fresh `pip install` gets; torch has no CPU
+# wheel on this machine for 3.12 and PyPI's is a multi-GB CUDA build, so the `hf` extra is left out (the
+# transformers comparisons skip there and run in `make test`). $(VENV_GPU): the deviceless GPU compile (XLA:GPU
+# through jax's CUDA plugin, tokamax kernels), the `gpu` extra: about 3.5 GB of wheels; no GPU or driver needed.
+$(VENV_NEWEST)/.installed: EXTRAS = test
+$(VENV_GPU)/.installed: EXTRAS = gpu,test
+$(VENV_NEWEST)/.installed $(VENV_GPU)/.installed: pyproject.toml
+	@test -n "$(PY_NEWEST)" || { echo "make: $(@D) needs Python >= 3.12 and none was found; set PY_NEWEST=/path/to/python3.12" >&2; exit 2; }
+	$(PY_NEWEST) -m venv $(@D)
+	$(@D)/bin/python -m pip install -q --upgrade pip
+	$(@D)/bin/python -m pip install -q -e '.[$(EXTRAS)]'
 	touch $@
 
 install: $(VENV)/.installed

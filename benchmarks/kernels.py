@@ -311,25 +311,30 @@ def results_rows(paths) -> list[str]:
             g = r["grouped_gemm"]
             s = g["shape"]
             what = f"grouped GEMM fwd+bwd E{s['experts']} D{s['d_model']} F{s['d_ff']} R{s['rows']} {s['dtype']}"
-            for k in g["kernels"]:
-                name = k.get("kernel", k["asked"])
-                if k["status"] != "ok":
-                    rows.append(f"{head} {what}, {name} | {_cell(k['status'] + ': ' + k['reason'][:160])} |")
-                    continue
-                rows.append(f"{head} {what}, {name}: TFLOP/s | {_num(k['tflops'])} |")
-                rows.append(f"{head} {what}, {name}: ratio vs one dense GEMM of equal FLOPs "
-                            f"({_num(k['dense_tflops'])} TFLOP/s) | {k['ratio_vs_dense']:.2f} |")
+            rows += _kernel_rows(head, what, g["kernels"], lambda k: [
+                ("TFLOP/s", _num(k["tflops"])),
+                (f"ratio vs one dense GEMM of equal FLOPs ({_num(k['dense_tflops'])} TFLOP/s)",
+                 f"{k['ratio_vs_dense']:.2f}")])
         if "attention" in r:
             a = r["attention"]
             s = a["shape"]
             what = (f"attention fwd+bwd B{s['batch']} L{s['seq']} H{s['heads']} d{s['d_qk']}/{s['d_v']} causal "
                     f"packed {s['dtype']}")
-            for k in a["kernels"]:
-                name = k.get("kernel", k["asked"])
-                if k["status"] != "ok":
-                    rows.append(f"{head} {what}, {name} | {_cell(k['status'] + ': ' + k['reason'][:160])} |")
-                    continue
-                rows.append(f"{head} {what}, {name}: TFLOP/s (causal half, bwd 2.5x fwd) | {_num(k['tflops'])} |")
+            rows += _kernel_rows(head, what, a["kernels"],
+                                 lambda k: [("TFLOP/s (causal half, bwd 2.5x fwd)", _num(k["tflops"]))])
+    return rows
+
+
+def _kernel_rows(head: str, what: str, kernels: list[dict], metrics) -> list[str]:
+    """One row per metric of each kernel that ran (metrics(k) -> [(name, value)]), one row saying why for each
+    that did not."""
+    rows = []
+    for k in kernels:
+        name = k.get("kernel", k["asked"])
+        if k["status"] != "ok":
+            rows.append(f"{head} {what}, {name} | {_cell(k['status'] + ': ' + k['reason'][:160])} |")
+            continue
+        rows += [f"{head} {what}, {name}: {metric} | {value} |" for metric, value in metrics(k)]
     return rows
 
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import math
 
-from moejax.config.schema import (ATTENTION_KINDS, DISPATCH_MODES, DROP_POLICIES, DTYPES, ATTENTION_KERNELS, EXPERT_GEMM_KERNELS, LOSS_KERNELS, MESH_AXES,
-                                  REMAT_POLICIES, ROPE_SCALINGS, SCORE_FUNCS, ConfigError)
+from moejax.config.schema import (ATTENTION_KERNELS, ATTENTION_KINDS, DISPATCH_MODES, DROP_POLICIES, DTYPES,
+                                  EXPERT_GEMM_KERNELS, LOSS_KERNELS, MESH_AXES, REMAT_POLICIES, ROPE_SCALINGS,
+                                  SCORE_FUNCS, ConfigError)
 
 
 def resolve_mesh_shape(mesh_cfg, n_devices: int) -> dict[str, int]:

@@ -14,6 +14,7 @@ import importlib.util
 
 from moejax.config.schema import ConfigError
 
+KERNEL_FIELDS = ("attention", "expert_gemm", "loss")
 GPU_EXTRA = "pip install 'moejax[gpu]' (Python >= 3.12)"
 # cuDNN's fused attention as jax calls it: head dims up to 128 (jax refuses larger ones before Hopper, and in a
 # deviceless compile it checks the CPU process, so 192 is refused there too).
@@ -111,17 +112,17 @@ def model_kernels(cfg) -> dict[str, str]:
     """The kernels a model built from cfg runs: concrete choices as given (the entry points checked them against
     the mesh's platform, which may differ from this process's: a deviceless GPU compile), `auto` resolved
     against jax's default backend (a model built directly, e.g. by load_hf)."""
-    fields = ("attention", "expert_gemm", "loss")
-    if all(cfg.kernels[k] != "auto" for k in fields):
-        return {k: cfg.kernels[k] for k in fields}
+    asked = {k: cfg.kernels[k] for k in KERNEL_FIELDS}
+    if "auto" not in asked.values():
+        return asked  # resolve_kernels would check them against this process's platform, not the mesh's
     resolved = resolve_kernels(cfg)
-    return {k: resolved[k] if cfg.kernels[k] == "auto" else cfg.kernels[k] for k in fields}
+    return {k: resolved[k] if v == "auto" else v for k, v in asked.items()}
 
 
 def apply_kernels(cfg, platform: str) -> str:
     """Resolves cfg.kernels against `platform` IN PLACE (config.json then records what ran); returns the line to
     print, e.g. 'kernels on gpu: attention=tokamax_mosaic (auto), expert_gemm=einsum (auto), loss=chunked'."""
-    asked = {k: cfg.kernels[k] for k in ("attention", "expert_gemm", "loss")}
+    asked = {k: cfg.kernels[k] for k in KERNEL_FIELDS}
     resolved = resolve_kernels(cfg, platform)
     for k, v in resolved.items():
         cfg.kernels[k] = v
@@ -130,6 +131,6 @@ def apply_kernels(cfg, platform: str) -> str:
 
 def describe(cfg, platform: str, asked: dict | None = None) -> str:
     parts = [f"{k}={cfg.kernels[k]}" + (" (auto)" if asked and asked[k] == "auto" else "")
-             for k in ("attention", "expert_gemm", "loss")]
+             for k in KERNEL_FIELDS]
     return f"kernels on {_platform(platform)}: " + ", ".join(parts)
 

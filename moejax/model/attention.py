@@ -9,8 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moejax.kernels.attention import attention as kernel_attention
-
-from moejax.model.layers import RMSNorm, dtype_of, param, project
+from moejax.model.layers import RMSNorm, dtype_of, grads_in_f32, param, project
 from moejax.model.rope import apply_rope, rope_spec, softmax_scale
 from moejax.parallel.mesh import map_over_batch_heads
 
@@ -30,7 +29,7 @@ class GQAttention(nnx.Module):
 
     def __init__(self, m, kernel: str, *, rngs: nnx.Rngs):
         self.kernel = kernel
-        self.f32_grad = m.grad_reduce_dtype == "float32"
+        self.f32_grad = grads_in_f32(m)
         pdt, d, h, k = dtype_of(m.param_dtype), m.d_model, m.n_heads, m.head_dim
         g = m.n_kv_heads or m.n_heads
         std = m.init_std
@@ -67,7 +66,7 @@ class MLAttention(nnx.Module):
 
     def __init__(self, m, kernel: str, *, rngs: nnx.Rngs):
         self.kernel = kernel
-        self.f32_grad = m.grad_reduce_dtype == "float32"
+        self.f32_grad = grads_in_f32(m)
         pdt, d, h, std = dtype_of(m.param_dtype), m.d_model, m.n_heads, m.init_std
         n, r, v, c = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
         self.q_lora = bool(m.q_lora_rank)

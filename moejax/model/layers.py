@@ -31,6 +31,11 @@ def dtype_of(name: str):
     return jnp.dtype(name)
 
 
+def grads_in_f32(model_cfg) -> bool:
+    """model.grad_reduce_dtype == 'float32': project's f32 weight gradients (README, "Mixed precision")."""
+    return model_cfg.grad_reduce_dtype == "float32"
+
+
 def project(spec: str, x, w, *, f32_grad: bool = True):
     """einsum(spec, x, w) with the weight cast to x's (compute) dtype: the mixed-precision contract's GEMM.
 

@@ -38,13 +38,6 @@ def masked_mean(nll_BxL, mask_BxL):
     return jnp.sum(nll_BxL.astype(jnp.float32) * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
-def masked_cross_entropy(logits_BxLxV, targets_BxL, mask_BxL):
-    """Mean of -log p(target) over the masked-in positions, in f32, from given logits."""
-    logp = jax.nn.log_softmax(logits_BxLxV.astype(jnp.float32), axis=-1)
-    nll_BxL = -jnp.take_along_axis(logp, targets_BxL[..., None], axis=-1)[..., 0]
-    return masked_mean(nll_BxL, mask_BxL)
-
-
 def _constrain_logits(logits_BxLxV):
     # The split the model gives its own logits: batch over the batch axes, vocab over tensor (as the head's V).
     return constrain(logits_BxLxV, ("batch", "seq", "vocab"))

@@ -11,7 +11,7 @@ from flax import nnx
 
 from moejax.kernels.resolve import model_kernels
 from moejax.model.attention import make_attention
-from moejax.model.layers import LAYERS_AXIS_METADATA, MLP, Embed, RMSNorm, dtype_of, param, project
+from moejax.model.layers import LAYERS_AXIS_METADATA, MLP, Embed, RMSNorm, dtype_of, grads_in_f32, param, project
 from moejax.model.moe import MoE, MoEStats
 from moejax.model.rope import segment_positions
 from moejax.parallel.mesh import constrain
@@ -52,10 +52,10 @@ class Block(nnx.Module):
         self.ffn_norm = RMSNorm(m.d_model, eps=m.norm_eps, param_dtype=pdt)
         if moe:
             self.ffn = MoE(m.d_model, cfg.moe, kernels["expert_gemm"], rngs=rngs, std=m.init_std, param_dtype=pdt,
-                           f32_grad=m.grad_reduce_dtype == "float32")
+                           f32_grad=grads_in_f32(m))
         else:
             self.ffn = MLP(m.d_model, m.d_ff, rngs=rngs, std=m.init_std, param_dtype=pdt,
-                           f32_grad=m.grad_reduce_dtype == "float32")
+                           f32_grad=grads_in_f32(m))
         self.is_moe = moe
 
     def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL=None):
@@ -104,7 +104,7 @@ class MTPModule(nnx.Module):
         pdt = dtype_of(m.param_dtype)
         self.emb_norm = RMSNorm(m.d_model, eps=m.norm_eps, param_dtype=pdt)
         self.hidden_norm = RMSNorm(m.d_model, eps=m.norm_eps, param_dtype=pdt)
-        self.f32_grad = m.grad_reduce_dtype == "float32"
+        self.f32_grad = grads_in_f32(m)
         self.w_eh_2DxD = param(rngs, (2 * m.d_model, m.d_model), ("mtp_concat", "embed"), std=m.init_std, dtype=pdt)
         self.block = Block(cfg, moe=m.n_layers > m.first_k_dense, rngs=rngs)
         self.out_norm = RMSNorm(m.d_model, eps=m.norm_eps, param_dtype=pdt)
@@ -135,7 +135,7 @@ class Transformer(nnx.Module):
         m = cfg.model
         pdt = dtype_of(m.param_dtype)
         self.dtype = dtype_of(m.dtype)
-        self.f32_grad = m.grad_reduce_dtype == "float32"
+        self.f32_grad = grads_in_f32(m)
         self.remat = m.remat
         # The loss kernel lm_loss runs over this model's LM head (kernels.loss; moejax/kernels/cross_entropy.py).
         self.loss_kernel = model_kernels(cfg)["loss"]

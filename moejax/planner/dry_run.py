@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from moejax.config import validate
 from moejax.model.accounting import flops_per_token
-from moejax.kernels.resolve import apply_kernels, devices_platform
+from moejax.kernels.resolve import KERNEL_FIELDS, apply_kernels, devices_platform
 from moejax.parallel.hlo_collectives import bytes_by_dtype, collectives
 from moejax.parallel.hlo_kernels import kernel_inventory
 from moejax.parallel.mesh import batch_sharding, make_mesh
@@ -107,7 +107,7 @@ def dry_run(cfg, n_devices: int, target: str | None = None, *, keep_hlo: bool = 
         "devices": n_devices, "mesh": sizes, "domain_size": domain, "layout": layout.name(),
         "compile_s": compile_s, "platform": platform, "target": gpu.name if gpu else "cpu",
         "device_kind": devices[0].device_kind, "notes": notes,
-        "kernels": {k: cfg.kernels[k] for k in ("attention", "expert_gemm", "loss")}, "kernels_line": kernels_line,
+        "kernels": {k: cfg.kernels[k] for k in KERNEL_FIELDS}, "kernels_line": kernels_line,
         "collectives": [{"kind": c.kind, "bytes": c.bytes, "count": c.count, "dtypes": dict(c.by_dtype),
                          "group_size": len(c.groups[0]), "op": c.op_name[-120:]} for c in colls],
         "xla": {"memory_bytes": xla_bytes, "argument_bytes": mem.argument_size_in_bytes,
