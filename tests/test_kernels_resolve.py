@@ -10,7 +10,12 @@ import pytest
 
 from moejax.config import ConfigError, default_config
 from moejax.kernels import resolve
-from moejax.kernels.attention import attention, document_mask, document_start
+from moejax.kernels.attention import attention, document_start
+
+
+def document_mask(segment_ids_BxL):
+    """[B, 1, Lq, Lk] True where query and key are in the same document: the definition by segment id."""
+    return (segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :])[:, None]
 
 
 def mla_config():

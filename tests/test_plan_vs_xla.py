@@ -103,7 +103,7 @@ def test_hlo_loops_multiply_and_groups_parse():
     assert replica_groups(line, 8) == ((0, 1, 2, 3), (4, 5, 6, 7))  # ids 0,4,1,5,... on [1,4,2]
 
 
-def test_hlo_async_collectives_count_their_destination_once():
+def test_hlo_async_collectives_count_their_destination_once_and_single_device_groups_not_at_all():
     # XLA:GPU's async pairs: the -start result is (operands, destination[, contexts]); the -done is skipped.
     hlo = "\n".join([
         "HloModule m, num_partitions=4",
@@ -114,6 +114,8 @@ def test_hlo_async_collectives_count_their_destination_once():
         "  %g = (bf16[2]{0}, bf16[8]{0}) all-gather-start(%z), replica_groups={{0,1,2,3}}, dimensions={0}",
         "  %p = (bf16[6]{0}, bf16[6]{0}, u32[], u32[]) collective-permute-start(%z), source_target_pairs={{0,1}}",
         "  %a = f32[3]{0} all-reduce-start(%y), replica_groups={{0,1,2,3}}, to_apply=%add",
+        # a reduction over a mesh axis of size 1: groups of one device, nothing moves
+        "  %t = f32[64]{0} all-reduce(%y), replica_groups={{0},{1},{2},{3}}, to_apply=%add",
         "}",
     ])
     assert [(c.kind, c.by_dtype) for c in collectives(hlo)] == [

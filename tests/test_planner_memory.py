@@ -43,7 +43,8 @@ def _block_shapes(cfg, micro_batch, ep, remat="none", platform="gpu"):
 def test_logits_and_log_softmax_of_every_head():
     """Dense loss kernel: [micro_batch, seq, vocab] f32 logits and log-softmax per head (main + MTP), one head's
     f32 cotangent and its logits' gradient; the log-softmax is not counted twice (it is a saved residual too).
-    Chunked (the default): one chunk's f32 logits, f32 softmax and bf16 gradient, and no [B, L, V] residual."""
+    Chunked (the default): one chunk's f32 logits and bf16 gradient (XLA:CPU also keeps the f32 softmax and
+    gradient), and no [B, L, V] residual."""
     cfg = runpy.run_path(str(ROOT / "configs" / "deepseek_v3_small.py"))["get_config"]()
     cfg.model.vocab_size, cfg.model.dtype = 1024, "bfloat16"
     mb, seq = 2, int(cfg.train.seq_len)
@@ -51,7 +52,9 @@ def test_logits_and_log_softmax_of_every_head():
     cfg.kernels.loss_chunk = 32
     for tensor in (1, 2):
         a = activation_terms(cfg, mb, seq, "full", tensor=tensor)
-        assert a.logits == mb * 32 * (1024 // tensor) * (F32 + F32 + 2)
+        assert a.logits == mb * 32 * (1024 // tensor) * (F32 + 2)  # GPU: f32 logits, bf16 gradient
+        cpu = activation_terms(cfg, mb, seq, "full", tensor=tensor, platform="cpu")
+        assert cpu.logits == mb * 32 * (1024 // tensor) * (F32 + 2 + F32 + F32)  # + the f32 softmax and gradient
     c = trace_config(cfg, remat="full")
     saved = activations._saved(c.to_json_best_effort(sort_keys=True), mb, seq, 1)
     assert not [s for s, size in saved if s and s[-1] == 1024], saved
@@ -69,18 +72,22 @@ def test_logits_and_log_softmax_of_every_head():
 
 
 def test_attention_scores_of_the_reference_attention_are_a_block_transient():
-    """jax.nn.dot_product_attention's default (XLA) implementation holds [B, H, L, L] f32 scores: none saved
-    under full remat, rematerialised in the block's backward, quadratic in the sequence."""
+    """jax.nn.dot_product_attention's XLA implementation (the CPU kernel) holds [B, H, L, L] f32 scores: none
+    saved under full remat, rematerialised in the block's backward, quadratic in the sequence. A fused GPU kernel
+    (traced with a flash kernel's residuals) keeps no [L, L] buffer: its block transient is linear in L."""
     mb, heads = 2, 4
-    scores = [(s, size) for s, size in _block_residuals(small(seq=256), mb, 1) if s[-2:] == (256, 256)]
+    scores = [(s, size) for s, size in _block_residuals(small(seq=256), mb, 1, platform="cpu") if s[-2:] == (256, 256)]
     assert scores and all(math.prod(s) == mb * heads * 256 * 256 for s, _ in scores), scores
     assert sum(size == F32 for _, size in scores) >= 2, scores  # f32 scores and probabilities (and the mask)
-    t = {seq: activation_terms(small(seq=seq), mb, seq, "full").layer for seq in (128, 256)}
+    t = {seq: activation_terms(small(seq=seq), mb, seq, "full", platform="cpu").layer for seq in (128, 256)}
     # Everything else in the block is linear in the sequence: the difference is the [L, L] part.
     quadratic = sum(size for _, size in scores) * mb * heads * (256**2 - 2 * 128**2)
     assert abs((t[256] - 2 * t[128]) / quadratic - 1) < 0.05, (t, quadratic)
     # Split over tensor with the heads.
-    assert activation_terms(small(seq=256), mb, 256, "full", tensor=2).layer < t[256]
+    assert activation_terms(small(seq=256), mb, 256, "full", tensor=2, platform="cpu").layer < t[256]
+    assert not [s for s, _ in _block_residuals(small(seq=256), mb, 1, platform="gpu") if s[-2:] == (256, 256)]
+    gpu = {seq: activation_terms(small(seq=seq), mb, seq, "full", platform="gpu").layer for seq in (128, 256)}
+    assert abs(gpu[256] / (2 * gpu[128]) - 1) < 1e-3, gpu  # linear, up to O(experts) statistics
 
 
 def test_dropless_receive_buffers_are_sized_for_the_expert_parallelism():

@@ -8,12 +8,17 @@
   tokamax_triton  may differ (MLA's 192 / 128, no padded PV matmul); tokamax's Triton flash attention, same API.
                   Documents are given as each query's first key (`k_start`), not a mask: no L x L input.
 
+flash_residuals (not a config choice) is what the planner traces for a fused GPU kernel in this process: XLA's
+attention keeping only a flash kernel's residuals (q, k, v, the output) for its backward, which recomputes.
+
 q [B, L, H, K], k [B, L, G, K], v [B, L, G, V] (G divides H), segment ids [B, L] or None (one document per
 row). Packed documents are contiguous runs of equal segment ids (moejax.data.packing), so "same document and
 causal" is "key position in [start of the query's document, query position]".
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -28,20 +33,22 @@ def document_start(segment_ids_BxL):
     return jax.lax.cummax(jnp.where(starts_BxL, pos_L[None, :], 0), axis=1)
 
 
-def document_mask(segment_ids_BxL):
-    """[B, 1, Lq, Lk] True where query and key are in the same document."""
-    return (segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :])[:, None]
-
-
 def _jax_nn(q, k, v, segment_ids_BxL, scale, implementation):
     # jax.nn.dot_product_attention wants v's head dim equal to k's; MLA's is smaller (128 vs 192), so v is
     # zero-padded and the padding sliced off.
     v_dim, qk_dim = v.shape[-1], q.shape[-1]
     if v_dim != qk_dim:
         v = jnp.pad(v, [(0, 0)] * 3 + [(0, qk_dim - v_dim)])
-    mask = None if segment_ids_BxL is None else document_mask(segment_ids_BxL)
-    out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, scale=scale,
-                                       implementation=implementation)
+    # Under causality "same document" is "key at or after the query's document start": causality and documents
+    # as one boolean [B, 1, L, L] from iota compares (jax would otherwise combine a document mask with its own
+    # causal mask into a [B, H, L, L] one).
+    if segment_ids_BxL is None:
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                            implementation=implementation)[..., :v_dim]
+    pos_L = jnp.arange(segment_ids_BxL.shape[1], dtype=jnp.int32)
+    start_Bx1xLx1 = document_start(segment_ids_BxL)[:, None, :, None]
+    mask = (pos_L[None, None, None, :] >= start_Bx1xLx1) & (pos_L[None, None, None, :] <= pos_L[None, None, :, None])
+    out = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation=implementation)
     return out[..., :v_dim]
 
 
@@ -63,8 +70,29 @@ def _tokamax(q, k, v, segment_ids_BxL, scale, kernel):
                                      logits_soft_cap=None, q_sharding=None)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _flash_residuals(q, k, v, segment_ids_BxL, scale):
+    return _jax_nn(q, k, v, segment_ids_BxL, scale, "xla")
+
+
+def _flash_residuals_fwd(q, k, v, segment_ids_BxL, scale):
+    out = _jax_nn(q, k, v, segment_ids_BxL, scale, "xla")
+    return out, (q, k, v, segment_ids_BxL, out)
+
+
+def _flash_residuals_bwd(scale, residuals, d_out):
+    q, k, v, segment_ids_BxL, _ = residuals
+    _, vjp = jax.vjp(lambda q, k, v: _jax_nn(q, k, v, segment_ids_BxL, scale, "xla"), q, k, v)
+    return (*vjp(d_out), None)
+
+
+_flash_residuals.defvjp(_flash_residuals_fwd, _flash_residuals_bwd)
+
+
 def attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, segment_ids_BxL, scale: float, *, kernel: str):
     """softmax(q k^T * scale) v over keys that are causal and in the query's document; [B, L, H, V]."""
+    if kernel == "flash_residuals":
+        return _flash_residuals(q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, segment_ids_BxL, scale)
     if kernel in ("xla", "cudnn"):
         return _jax_nn(q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, segment_ids_BxL, scale, kernel)
     if kernel in _TOKAMAX_IMPLEMENTATION:

@@ -178,7 +178,8 @@ def collectives(hlo_text: str) -> list[Collective]:
     """Every collective of the program with its groups and per-run execution count. Text without an ENTRY
     computation (a few instructions, as a test or a tool may pass) counts each instruction once."""
     lines = hlo_text.splitlines()
-    n_devices = int(m["n"]) if (m := _PARTITIONS.search(hlo_text)) else 1
+    # A fragment without a module header does not say its device count: its default group is "all devices".
+    n_devices = int(m["n"]) if (m := _PARTITIONS.search(hlo_text)) else None
     owner, edges, entry = _call_graph(lines)
     if entry is None:
         owner, times = ["fragment"] * len(lines), {"fragment": 1}
@@ -189,8 +190,8 @@ def collectives(hlo_text: str) -> list[Collective]:
         m = _OP.search(line)
         if not m or "-done(" in line or comp is None or times.get(comp, 0) == 0:
             continue
-        groups = replica_groups(line, n_devices)
-        if all(len(g) <= 1 for g in groups):
+        groups = replica_groups(line, n_devices or 1)
+        if n_devices and all(len(g) <= 1 for g in groups):
             continue  # groups of one device (a reduction over a mesh axis of size 1): nothing moves
         by_dtype = _bytes_by_dtype(_destination(m["result"], started="-start(" in line))
         if m["kind"] == "reduce-scatter":

@@ -11,8 +11,8 @@ so MHA/GQA/MLA/MoE/MTP need no formulas:
               reference attention (`jax.nn.dot_product_attention`'s default) this holds the [B, H, L, L]
               scores and probabilities; for the MoE it holds the dispatch buffers and expert activations.
   logits      the loss over the vocabulary. The chunked kernel (kernels.loss auto/chunked) holds one chunk at a
-              time: [micro_batch, loss_chunk, vocab] f32 logits and, in the backward, with their f32 softmax and
-              the logits' gradient in the compute dtype.
+              time: [micro_batch, loss_chunk, vocab] f32 logits and, in the backward, the logits' gradient in
+              the compute dtype (on CPU also the f32 softmax and gradient XLA:CPU does not fuse away).
               The dense kernel: [micro_batch, seq, vocab] logits in f32 and their f32 log-softmax for every
               head, and in the backward one head's f32 cotangent of the log-softmax and its logits' gradient
               in the compute dtype; the log-softmax is a saved residual, moved here from `saved` so that it
@@ -79,8 +79,10 @@ def trace_config(cfg, *, remat: str, dispatch: str | None = None, platform: str 
         ragged_on_gpu = c.moe.dispatch == "dropless" and platform in ("gpu", "tpu")
         if c.kernels.expert_gemm == "auto" or c.kernels.expert_gemm == "tokamax":
             c.kernels.expert_gemm = "ragged_dot" if ragged_on_gpu else "einsum"
-        # The trace runs in this (CPU) process: a GPU attention kernel is traced as XLA's.
-        c.kernels.attention = "xla"
+        # The trace runs in this (CPU) process: a fused GPU attention kernel is traced as XLA's attention with
+        # a flash kernel's residuals (no [B, H, L, L] scores kept); on CPU, XLA's reference.
+        on_gpu = platform in ("gpu", "tpu") and c.kernels.attention != "xla"
+        c.kernels.attention = "flash_residuals" if on_gpu else "xla"
         if c.kernels.loss == "auto":
             c.kernels.loss = "chunked"
     return c
@@ -101,16 +103,18 @@ def _collect(residuals, skip=lambda aval, source: False) -> tuple[Residual, ...]
 
 
 def _is_log_softmax(aval, source: str) -> bool:
-    return "log_softmax" in source and ("masked_cross_entropy" in source or "dense_cross_entropy" in source)
+    return "log_softmax" in source and "dense_cross_entropy" in source
 
 
 def abstract_loss(cfg):
-    """(loss(params, rest, tokens), abstract params, abstract other model state) of the real model: what the
-    planner traces for saved residuals and recompute FLOPs (nothing is allocated)."""
+    """(loss(params, rest, tokens, segment_ids), abstract params, abstract other model state) of the real model:
+    what the planner traces for saved residuals and recompute FLOPs (nothing is allocated). Packed rows with
+    document ids, as training feeds them (the document mask costs memory in XLA's attention)."""
     graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: create_model(cfg, 0)), nnx.Param, ...)
 
-    def loss(params, rest, tokens):
-        return lm_loss(nnx.merge(graphdef, params, rest), tokens, mtp_weight=float(cfg.model.mtp_loss_weight))[0]
+    def loss(params, rest, tokens, segment_ids):
+        return lm_loss(nnx.merge(graphdef, params, rest), tokens, segment_ids,
+                       mtp_weight=float(cfg.model.mtp_loss_weight))[0]
 
     return loss, params, rest
 
@@ -123,7 +127,7 @@ def _saved(cfg_json: str, micro_batch: int, seq_len: int, expert: int) -> tuple[
     loss, params, rest = abstract_loss(ml_collections.ConfigDict(json.loads(cfg_json)))
     tokens = jax.ShapeDtypeStruct((micro_batch * expert, seq_len + 1), jnp.int32)
     with jax.sharding.use_abstract_mesh(_mesh(expert)):
-        return _collect(saved_residuals(loss, params, rest, tokens), skip=_is_log_softmax)
+        return _collect(saved_residuals(loss, params, rest, tokens, tokens), skip=_is_log_softmax)
 
 
 @functools.lru_cache(maxsize=256)
@@ -137,10 +141,10 @@ def _block(cfg_json: str, moe: bool, micro_batch: int, seq_len: int, expert: int
     cfg = ml_collections.ConfigDict(json.loads(cfg_json))
     cfg.model.param_dtype = cfg.model.dtype
     graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: Block(cfg, moe=moe, rngs=nnx.Rngs(0))), nnx.Param, ...)
-    body = _remat(lambda block, x, positions: block(x, positions), remat)
+    body = _remat(lambda block, x, positions, segment_ids: block(x, positions, segment_ids), remat)
 
-    def run(params, rest, x, positions):
-        y, stats = body(nnx.merge(graphdef, params, rest), x, positions)
+    def run(params, rest, x, positions):  # positions double as document ids: same shape and dtype
+        y, stats = body(nnx.merge(graphdef, params, rest), x, positions, positions)
         return y, (stats.aux_loss if stats is not None else jnp.float32(0))
 
     batch = micro_batch * expert
@@ -193,10 +197,13 @@ def activation_terms(cfg, micro_batch: int, seq_len: int, remat: str, *, tensor:
             layer = max(layer, without - kept)
     heads = 1 + int(m.get("mtp_depth", 0))
     vocab = -(-int(m.vocab_size) // tensor)
+    act = jnp.dtype(m.dtype).itemsize
     if c.kernels.loss == "dense":
         per_head = micro_batch * seq_len * vocab
-        logits = per_head * (heads * (4 + 4) + 4 + jnp.dtype(m.dtype).itemsize)
-    else:  # chunked (kernels/cross_entropy.py): one chunk at a time; its backward holds the recomputed f32
-        # logits, their f32 softmax and the logits' gradient in the compute dtype together
-        logits = micro_batch * min(int(c.kernels.loss_chunk), seq_len) * vocab * (4 + 4 + jnp.dtype(m.dtype).itemsize)
+        logits = per_head * (heads * (4 + 4) + 4 + act)
+    else:  # chunked (kernels/cross_entropy.py): one chunk at a time. Its backward holds the recomputed f32 logits
+        # and the logits' gradient in the compute dtype; XLA:CPU also keeps the f32 softmax and the f32 gradient
+        # before its cast (measured on compiled steps), XLA:GPU fuses those into the gradient.
+        per_element = 4 + act + (0 if platform == "gpu" else 4 + 4)
+        logits = micro_batch * min(int(c.kernels.loss_chunk), seq_len) * vocab * per_element
     return ActivationBytes(saved, layer, logits)

@@ -87,7 +87,7 @@ def _step_flops(cfg_json: str, seq_len: int) -> int:
 
     loss, params, rest = abstract_loss(ml_collections.ConfigDict(json.loads(cfg_json)))
     tokens = jax.ShapeDtypeStruct((1, seq_len + 1), jnp.int32)
-    step = jax.make_jaxpr(lambda *args: jax.vjp(loss, *args)[1](jnp.float32(1.0)))(params, rest, tokens)
+    step = jax.make_jaxpr(lambda *args: jax.vjp(loss, *args)[1](jnp.float32(1.0)))(params, rest, tokens, tokens)
     return matmul_flops(step.jaxpr)
 
 
@@ -95,6 +95,9 @@ def step_flops(cfg, remat: str, *, dispatch: str | None = None, platform: str = 
     """Matmul FLOPs of one sequence's forward + backward under `remat` (what the hardware runs)."""
     seq = int(cfg.train.seq_len if seq_len is None else seq_len)
     c = trace_config(cfg, remat=remat, dispatch=dispatch, platform=platform)
+    # The attention math as the model defines it: a flash kernel's own recompute inside its backward is the
+    # kernel's cost, not the remat policy's (trace_config's flash_residuals stand-in is for memory).
+    c.kernels.attention = "xla"
     return _step_flops(c.to_json_best_effort(sort_keys=True), seq)
 
 
