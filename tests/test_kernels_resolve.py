@@ -53,6 +53,16 @@ def test_a_kernel_that_cannot_run_is_a_config_error(field, value, platform, mess
         resolve.resolve_kernels(c, platform)
 
 
+def test_tokamax_grouped_gemm_needs_tileable_expert_dims(monkeypatch):
+    monkeypatch.setattr(resolve, "tokamax_available", lambda: True)
+    c = mla_config()
+    c.moe.dispatch, c.moe.d_ff_expert, c.model.d_model = "dropless", 72, 128
+    with pytest.raises(ConfigError, match=r"moe.d_ff_expert \(72 per tensor shard\) must be below or a multiple"):
+        resolve.resolve_kernels(c, "gpu")
+    c.moe.d_ff_expert = 192
+    assert resolve.resolve_kernels(c, "gpu")["expert_gemm"] == "tokamax"
+
+
 def test_apply_kernels_writes_what_runs_and_says_so():
     c = mla_config()
     line = resolve.apply_kernels(c, "cpu")

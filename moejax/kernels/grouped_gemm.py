@@ -13,14 +13,68 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
-def _tokamax_ragged_dot(x_RxD, w_ExDxF, group_sizes_E):
+# tokamax's implementation: its Mosaic GPU kernel. Explicit, so tokamax skips its default-device check, which a
+# deviceless GPU compile (a CPU process) would fail. Tests set "xla" (tokamax's reference, runs on CPU).
+TOKAMAX_IMPLEMENTATION = "mosaic"
+
+
+def _tokamax(x_RxD, w_ExDxF, group_sizes_E):
     import tokamax  # optional: the `gpu` extra
 
-    # Explicit implementation: tokamax then skips its default-device check, which a deviceless GPU compile
-    # (a CPU process) would fail; "mosaic" is its Mosaic GPU kernel on NVIDIA devices.
-    return tokamax.ragged_dot(x_RxD, w_ExDxF, group_sizes_E, implementation="mosaic")
+    return tokamax.ragged_dot(x_RxD, w_ExDxF, group_sizes_E, implementation=TOKAMAX_IMPLEMENTATION)
+
+
+def _tokamax_weight_grad(x_RxD, dy_RxF, group_sizes_E):
+    """[E, D, F]: each group's x^T dy, contracting its own rows (tokamax's ragged dot over the ragged dim)."""
+    import tokamax
+
+    dims = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])),
+                                             lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+    return tokamax.ragged_dot_general(x_RxD, dy_RxF, group_sizes_E, dims, implementation=TOKAMAX_IMPLEMENTATION)
+
+
+def _varying(x) -> frozenset:
+    return jax.typeof(x).manual_axis_type.varying
+
+
+def _mark_varying(y, axes):
+    """y typed as varying over `axes`. Inside shard_map, tokamax's Mosaic GPU kernels return arrays typed as
+    varying over no mesh axis although each device computed its own; only used inside the custom VJP below,
+    where this mark is never transposed (so it implies no reduction)."""
+    missing = tuple(sorted(frozenset(axes) - _varying(y)))
+    return jax.lax.pcast(y, missing, to="varying") if missing else y
+
+
+def _cotangent(ct, varies_over, primal):
+    """A cotangent that truly varies over `varies_over`, summed over the axes the primal is invariant on (the
+    transpose of the implicit broadcast that used the primal there) and typed like the primal."""
+    ct = _mark_varying(ct, varies_over)
+    extra = tuple(sorted(_varying(ct) - _varying(primal)))
+    return jax.lax.psum(ct, extra) if extra else ct
+
+
+@jax.custom_vjp
+def _tokamax_ragged_dot(x_RxD, w_ExDxF, group_sizes_E):
+    return _mark_varying(_tokamax(x_RxD, w_ExDxF, group_sizes_E), _varying(x_RxD) | _varying(w_ExDxF))
+
+
+def _tokamax_fwd(x_RxD, w_ExDxF, group_sizes_E):
+    return _tokamax_ragged_dot(x_RxD, w_ExDxF, group_sizes_E), (x_RxD, w_ExDxF, group_sizes_E)
+
+
+def _tokamax_bwd(residuals, dy_RxF):
+    x_RxD, w_ExDxF, group_sizes_E = residuals
+    dx_RxD = _tokamax(dy_RxF, jnp.swapaxes(w_ExDxF, 1, 2), group_sizes_E).astype(x_RxD.dtype)
+    dw_ExDxF = _tokamax_weight_grad(x_RxD, dy_RxF, group_sizes_E).astype(w_ExDxF.dtype)
+    d_sizes = np.zeros(group_sizes_E.shape, dtype=jax.dtypes.float0)  # integer input: no cotangent
+    return (_cotangent(dx_RxD, _varying(dy_RxF) | _varying(w_ExDxF), x_RxD),
+            _cotangent(dw_ExDxF, _varying(x_RxD) | _varying(dy_RxF), w_ExDxF), d_sizes)
+
+
+_tokamax_ragged_dot.defvjp(_tokamax_fwd, _tokamax_bwd)
 
 
 def _ragged_dot_fn(kernel: str):

@@ -72,6 +72,11 @@ def _attention(cfg, platform: str) -> str:
     return kernel
 
 
+# tokamax's Mosaic GPU grouped GEMM tiles the weights' dims by 64: a dim must be below 64 or a multiple of it
+# (XLA:GPU compile for H200: "dimension 2 must have size smaller or a multiple of its tiling 64").
+TOKAMAX_GEMM_TILE = 64
+
+
 def _expert_gemm(cfg, platform: str) -> str:
     kernel = cfg.kernels.expert_gemm
     ragged = cfg.moe.dispatch == "dropless"
@@ -81,13 +86,21 @@ def _expert_gemm(cfg, platform: str) -> str:
         if not (ragged and platform == "gpu"):
             return "einsum"
         _need_tokamax("expert_gemm", kernel, " with moe.dispatch='dropless' on gpu (grouped GEMM: tokamax)")
-        return "tokamax"
-    if kernel == "ragged_dot" and platform == "gpu":
+        kernel = "tokamax"
+    elif kernel == "ragged_dot" and platform == "gpu":
         raise ConfigError("kernels.expert_gemm='ragged_dot' on gpu: XLA:GPU rewrites lax.ragged_dot into masked "
                           "dense dots (n_experts x the FLOPs); use kernels.expert_gemm='tokamax' or 'einsum'")
-    if kernel == "tokamax":
+    elif kernel == "tokamax":
         _need_gpu("expert_gemm", kernel, platform)
         _need_tokamax("expert_gemm", kernel, "")
+    if kernel == "tokamax":
+        tensor = max(1, int(cfg.mesh.tensor))
+        dims = {"model.d_model": int(cfg.model.d_model), "moe.d_ff_expert": int(cfg.moe.d_ff_expert) // tensor}
+        for name, dim in dims.items():
+            if dim >= TOKAMAX_GEMM_TILE and dim % TOKAMAX_GEMM_TILE:
+                raise ConfigError(f"kernels.expert_gemm='tokamax' tiles the expert weights by {TOKAMAX_GEMM_TILE}: "
+                                  f"{name} ({dim} per tensor shard) must be below or a multiple of it; change it or "
+                                  "use kernels.expert_gemm='einsum'")
     return kernel
 
 
