@@ -81,7 +81,7 @@ def main():
             for backend in ("einsum", "ragged_dot"):
                 def loss(x, wg, wu, wd, mode=mode, backend=backend):
                     y, _ = routed_experts(x, idx_TxK, w_TxK, wg, wu, wd, capacity_factor=a.capacity_factor,
-                                          mode=mode, backend=backend, recv_factor=a.recv_factor)
+                                          mode=mode, gemm=backend, recv_factor=a.recv_factor)
                     return jnp.sum(y ** 2)
 
                 fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))

@@ -92,3 +92,25 @@ def test_xla_attention_with_mla_head_dims():
     allowed = np.asarray(document_mask(seg)) & np.tril(np.ones((16, 16), bool))
     ref = jnp.einsum("bhqs,bshv->bqhv", jax.nn.softmax(jnp.where(allowed, logits, -1e30), axis=-1), v)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_gpu_target_without_the_gpu_extra_is_one_line_and_touches_nothing(tmp_path):
+    """In an environment without jax's CUDA plugin or tokamax (the CPU suite's), --dry_run_target names what to
+    install and exits 2 before jax starts; the workdir is not created."""
+    import importlib.util
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if importlib.util.find_spec("tokamax") and importlib.util.find_spec("jax_plugins"):
+        pytest.skip("the gpu extra is installed here: tests/test_gpu_compile.py covers the compile")
+    root = Path(__file__).resolve().parents[1]
+    work = tmp_path / "w"
+    r = subprocess.run([sys.executable, "-m", "moejax.cli.train", "--config", str(root / "configs/tiny.py"),
+                        "--dry_run", "--dry_run_target", "h200", "--workdir", str(work)],
+                       capture_output=True, text=True, cwd=root, timeout=300)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--dry_run_target h200 compiles with XLA:GPU, which needs" in lines[0], r.stderr
+    assert "pip install 'moejax[gpu]'" in lines[0]
+    assert not work.exists()
