@@ -30,7 +30,7 @@ import ml_collections
 
 from moejax.config import MESH_AXES, REMAT_POLICIES, ConfigError, validate
 from moejax.errors import InputError
-from moejax.kernels.resolve import apply_kernels, devices_platform
+from moejax.kernels.resolve import apply_kernels, devices_compute_capability, devices_platform
 
 
 # ---------------------------------------------------------------------------------------------- configs
@@ -159,7 +159,7 @@ def prepare_training(cfg, workdir, *, coordinator: str | None = None, num_proces
         raise
     # The mesh is built from all of jax.devices(): their platform picks the kernels, written into cfg so that
     # config.json (and every process's agreement check below) names what runs.
-    kernels = apply_kernels(cfg, devices_platform(jax.devices()))
+    kernels = apply_kernels(cfg, devices_platform(jax.devices()), devices_compute_capability(jax.devices()))
     workdir = Path(workdir)
     if workdir.exists() and not workdir.is_dir():
         raise InputError(f"--workdir {workdir} exists and is not a directory")

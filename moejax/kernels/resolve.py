@@ -77,7 +77,7 @@ def _attention(cfg, platform: str) -> str:
 TOKAMAX_GEMM_TILE = 64
 
 
-def _expert_gemm(cfg, platform: str) -> str:
+def _expert_gemm(cfg, platform: str, compute_capability: float | None = None) -> str:
     kernel = cfg.kernels.expert_gemm
     ragged = cfg.moe.dispatch == "dropless"
     if kernel == "auto":
@@ -93,6 +93,12 @@ def _expert_gemm(cfg, platform: str) -> str:
     elif kernel == "tokamax":
         _need_gpu("expert_gemm", kernel, platform)
         _need_tokamax("expert_gemm", kernel, "")
+    if kernel == "tokamax" and compute_capability is not None and compute_capability >= 10:
+        # tokamax 0.0.17's sm100 grouped GEMM is a Pallas mpmd_map, which refuses the varying-typed inputs every
+        # array has inside the dispatch shard_map (seen compiling for B200 and GB300; sm90 compiles).
+        raise ConfigError(f"kernels.expert_gemm='tokamax' on compute capability {compute_capability}: tokamax's "
+                          "Blackwell grouped GEMM cannot run inside shard_map (its Pallas kernel refuses "
+                          "shard_map's varying arrays); on Blackwell use moe.dispatch='capacity' (einsum) for now")
     if kernel == "tokamax":
         tensor = max(1, int(cfg.mesh.tensor))
         dims = {"model.d_model": int(cfg.model.d_model), "moe.d_ff_expert": int(cfg.moe.d_ff_expert) // tensor}
@@ -104,6 +110,13 @@ def _expert_gemm(cfg, platform: str) -> str:
     return kernel
 
 
+def devices_compute_capability(devices) -> float | None:
+    """The NVIDIA compute capability of a mesh's GPUs (e.g. 9.0 H100/H200, 10.0 B200, 10.3 GB300); None elsewhere."""
+    found = {getattr(d, "compute_capability", None) for d in devices}
+    found.discard(None)
+    return min(float(c) for c in found) if found else None
+
+
 def devices_platform(devices) -> str:
     """The one platform of a mesh's devices ('cpu', 'gpu', 'tpu')."""
     platforms = {d.platform for d in devices}
@@ -112,12 +125,13 @@ def devices_platform(devices) -> str:
     return _platform(platforms.pop())
 
 
-def resolve_kernels(cfg, platform: str | None = None) -> dict[str, str]:
+def resolve_kernels(cfg, platform: str | None = None, compute_capability: float | None = None) -> dict[str, str]:
     """{'attention', 'expert_gemm', 'loss'} -> the concrete kernel each runs on `platform` ('cpu', 'gpu', 'tpu';
-    None: jax's default backend)."""
+    None: jax's default backend) and, for GPUs, their compute capability when known."""
     platform = _platform(platform)
     loss = cfg.kernels.loss
-    return {"attention": _attention(cfg, platform), "expert_gemm": _expert_gemm(cfg, platform),
+    return {"attention": _attention(cfg, platform),
+            "expert_gemm": _expert_gemm(cfg, platform, compute_capability),
             "loss": "chunked" if loss == "auto" else loss}
 
 
@@ -132,11 +146,11 @@ def model_kernels(cfg) -> dict[str, str]:
     return {k: resolved[k] if v == "auto" else v for k, v in asked.items()}
 
 
-def apply_kernels(cfg, platform: str) -> str:
+def apply_kernels(cfg, platform: str, compute_capability: float | None = None) -> str:
     """Resolves cfg.kernels against `platform` IN PLACE (config.json then records what ran); returns the line to
     print, e.g. 'kernels on gpu: attention=tokamax_mosaic (auto), expert_gemm=einsum (auto), loss=chunked'."""
     asked = {k: cfg.kernels[k] for k in KERNEL_FIELDS}
-    resolved = resolve_kernels(cfg, platform)
+    resolved = resolve_kernels(cfg, platform, compute_capability)
     for k, v in resolved.items():
         cfg.kernels[k] = v
     return describe(cfg, platform, asked)

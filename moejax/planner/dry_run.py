@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from moejax.config import validate
 from moejax.model.accounting import flops_per_token
-from moejax.kernels.resolve import KERNEL_FIELDS, apply_kernels, devices_platform
+from moejax.kernels.resolve import KERNEL_FIELDS, apply_kernels, devices_compute_capability, devices_platform
 from moejax.parallel.hlo_collectives import bytes_by_dtype, collectives
 from moejax.parallel.hlo_kernels import kernel_inventory
 from moejax.parallel.mesh import batch_sharding, make_mesh
@@ -54,7 +54,7 @@ def dry_run(cfg, n_devices: int, target: str | None = None, *, keep_hlo: bool = 
         devices = jax.devices()[:n_devices]
         compiling = contextlib.nullcontext()
     platform = devices_platform(devices)
-    kernels_line = apply_kernels(cfg, platform)
+    kernels_line = apply_kernels(cfg, platform, devices_compute_capability(devices))
     mesh = make_mesh(sizes, devices, topology=gpu.topology if gpu else "cpu", domain_size=domain,
                      allow_cross_domain=bool(cfg.mesh.allow_cross_domain_experts))
     tx = make_optimizer(cfg.optim)
@@ -84,8 +84,10 @@ def dry_run(cfg, n_devices: int, target: str | None = None, *, keep_hlo: bool = 
         hlo_links[link] += c.bytes * c.count
         hlo_kinds[c.kind] = hlo_kinds.get(c.kind, 0) + c.bytes * c.count
 
-    layout = Layout(**sizes, remat=cfg.model.remat, micro_batch=cfg.train.global_batch // (sizes["data"] * sizes["fsdp"] * sizes["expert"]),
-                    dispatch=cfg.moe.dispatch)
+    # One accumulation pass's rows per device: what the step compiled above holds at a time.
+    batch_shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+    layout = Layout(**sizes, remat=cfg.model.remat, dispatch=cfg.moe.dispatch,
+                    micro_batch=cfg.train.global_batch // (batch_shards * int(cfg.train.micro_batches)))
     predicted_mem = estimate_memory(cfg, layout, platform=platform)
     traffic = step_traffic(cfg, layout)
     pred_kinds: dict[str, int] = {}
