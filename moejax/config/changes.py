@@ -54,7 +54,7 @@ MAY_CHANGE: dict[str, tuple[frozenset[Continuation], str]] = {
     "moe.dispatch": (_BOTH, "dispatch algorithm"),
     "moe.drop_policy": (_BOTH, "which tokens capacity dispatch drops"),
     "moe.capacity_factor": (_BOTH, "capacity dispatch buffer size"),
-    "moe.dropless_recv_factor": (_BOTH, "dropless receive buffer size"),
+    "moe.dropless_window": (_BOTH, "dropless receive window size"),
     "moe.seq_aux_loss_coef": (_BOTH, "a loss coefficient"),
     "moe.batch_aux_loss_coef": (_BOTH, "a loss coefficient"),
     "moe.z_loss_coef": (_BOTH, "a loss coefficient"),

@@ -87,7 +87,9 @@ def default_config() -> ml_collections.ConfigDict:
     e.dispatch = "capacity"  # capacity: all-to-all of capacity-padded buffers; allgather: gather + reduce-scatter
     e.drop_policy = "position"  # over capacity, drop the latest tokens (position) or the lowest-weight ones
     e.capacity_factor = 2.0  # <= 0 means worst case: no token is ever dropped
-    e.dropless_recv_factor = 0.0  # dropless receive buffer: <= 0 worst case, else x the balanced load
+    # dropless: rows a device receives per round, x its balanced load T*K (buffers are sized for it); a step whose
+    # largest load exceeds it runs extra rounds (never drops). > 0; at ep x min(K, E_local) or more: one round.
+    e.dropless_window = 1.25
     e.seq_aux_loss_coef = 1e-4  # DeepSeek-V3 sequence-wise balance loss (alpha)
     # transformers' router_aux_loss_coef, same definition: load_balancing_loss_func over every MoE layer's tokens
     # of the global batch together (Switch/Mixtral/Qwen3-MoE), once per pass

@@ -85,6 +85,9 @@ def validate(cfg, n_devices: int) -> dict[str, int]:
     _check_choice("moe.score_func", e.score_func, SCORE_FUNCS)
     _check_choice("moe.dispatch", e.dispatch, DISPATCH_MODES)
     _check_choice("moe.drop_policy", e.drop_policy, DROP_POLICIES)
+    if not float(e.dropless_window) > 0:
+        raise ConfigError(f"moe.dropless_window={e.dropless_window} must be > 0 (rows received per dropless round, "
+                          "x the balanced load; larger loads run more rounds, nothing is dropped)")
     _check_choice("model.grad_reduce_dtype", m.grad_reduce_dtype, DTYPES)
     k = cfg.kernels
     _check_choice("kernels.attention", k.attention, ATTENTION_KERNELS)

@@ -1,7 +1,9 @@
 """The routed experts' SwiGLU FFN as a grouped GEMM, by the kernel `kernels.expert_gemm` names (resolve.py):
 
   einsum      a batched einsum over [E_local, C, D] expert-major buffers with equal groups: one GEMM per expert,
-              no wasted work (cuBLAS batched GEMM on GPU). Ragged (dropless) groups are padded to the bound.
+              no wasted work (cuBLAS batched GEMM on GPU). Ragged (dropless) groups run as block-diagonal tiles
+              (`tiled_expert_ffn`): each expert's rows padded to whole tiles, each tile multiplied by its
+              expert's weights, so the work is the rows present plus under one tile per expert.
   ragged_dot  `lax.ragged_dot` over rows sorted by expert. XLA:CPU runs it as a masked dense matmul over all
               groups (E times the work) and XLA:GPU rewrites it into dense dots too, so it is refused on GPU;
               on CPU it is the reference for the ragged path.
@@ -99,6 +101,17 @@ def _einsum_ffn(x_ExCxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD):
     gate_ExCxF = jnp.einsum("ecd,edf->ecf", x_ExCxD, w_gate_ExDxF)
     up_ExCxF = jnp.einsum("ecd,edf->ecf", x_ExCxD, w_up_ExDxF)
     return jnp.einsum("ecf,efd->ecd", jax.nn.silu(gate_ExCxF) * up_ExCxF, w_down_ExFxD)
+
+
+def tiled_expert_ffn(x_NxMxD, tile_expert_N, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, ffn_axis=None):
+    """SwiGLU of N tiles of M rows, tile n through expert tile_expert_N[n]'s weights (megablox's block-diagonal
+    grouped GEMM as a batched einsum). The per-tile weight gather reads D x F per M rows (M/2 FLOPs per byte
+    at M = 128: the GEMM, not the gather, bounds it); its transpose sums the tiles' weight gradients per
+    expert."""
+    w_gate_NxDxF, w_up_NxDxF, w_down_NxFxD = (jnp.take(w, tile_expert_N, axis=0)
+                                              for w in (w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD))
+    y_NxMxD = _einsum_ffn(x_NxMxD, w_gate_NxDxF, w_up_NxDxF, w_down_NxFxD)
+    return jax.lax.psum(y_NxMxD, ffn_axis) if ffn_axis else y_NxMxD
 
 
 def expert_ffn(x_ExCxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, kernel: str, ffn_axis=None):

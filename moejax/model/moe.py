@@ -33,6 +33,7 @@ class MoEStats(NamedTuple):
     assignments: jax.Array
     router_load_E: jax.Array  # fraction of the global batch's tokens routed to each expert (sums to top_k)
     router_prob_E: jax.Array  # mean routing probability of each expert over the global batch (sums to 1)
+    dropless_rounds: jax.Array  # receive-window rounds the dropless exchange ran (1: the load fit one window)
 
 
 class MoE(nnx.Module):
@@ -52,7 +53,7 @@ class MoE(nnx.Module):
         self.expert_gemm = expert_gemm  # resolved kernels.expert_gemm (moejax/kernels/grouped_gemm.py)
         self.mode = moe_cfg.dispatch
         self.drop_policy = moe_cfg.drop_policy
-        self.recv_factor = float(moe_cfg.dropless_recv_factor)
+        self.dropless_window = float(moe_cfg.dropless_window)
         self.seq_aux_loss_coef = float(moe_cfg.seq_aux_loss_coef)
         self.batch_aux_loss_coef = float(moe_cfg.batch_aux_loss_coef)  # applied model-wide by loss.lm_loss
         self.z_loss_coef = float(moe_cfg.z_loss_coef)
@@ -69,7 +70,7 @@ class MoE(nnx.Module):
             routing.expert_w_BxLxK.reshape(batch * seq, -1),
             self.w_gate_ExDxF[...], self.w_up_ExDxF[...], self.w_down_ExFxD[...], compute_dtype=dt,
             f32_grad=self.f32_grad, capacity_factor=self.capacity_factor, mode=self.mode, drop_policy=self.drop_policy,
-            gemm=self.expert_gemm, recv_factor=self.recv_factor,
+            gemm=self.expert_gemm, dropless_window=self.dropless_window,
         )
         out = shared_BxLxD + routed_TxD.reshape(batch, seq, dim)
         # The mesh-wide selection counts (before any drop) as fractions of the global batch's tokens.
@@ -78,5 +79,6 @@ class MoE(nnx.Module):
         # The batch-wise term is model-wide: lm_loss adds it (batch_aux_loss_coef) once for all layers.
         aux = self.seq_aux_loss_coef * routing.seq_aux_loss + self.z_loss_coef * routing.z_loss
         stats = MoEStats(aux, routing.seq_aux_loss, own_batch_aux, routing.z_loss,
-                         dstats.tokens_per_expert_E, dstats.dropped, dstats.assignments, load_E, routing.prob_E)
+                         dstats.tokens_per_expert_E, dstats.dropped, dstats.assignments, load_E, routing.prob_E,
+                         dstats.rounds)
         return out, stats

@@ -9,10 +9,10 @@ Tokens are split over every batch axis, experts over `expert` (ep devices, E/ep 
   allgather  all-gather tokens and routing over `expert`; each device runs its local experts on every
              gathered token routed to them (capacity over the gathered tokens); reduce-scatter the
              partial outputs back. Better for small expert groups or large top-k.
-  dropless   exchange per-destination counts, then move exactly the routed rows with
-             `lax.ragged_all_to_all` (GPU/TPU) or a result-identical emulation (CPU, where XLA cannot
-             compile the ragged op); the receive buffer holds the worst case, or `recv_factor` x the
-             balanced load with the overflow dropped deterministically (later sources first) and counted.
+  dropless   never drops (dropless.py): exchange int32 per-expert counts, then move exactly the routed rows
+             with `lax.ragged_all_to_all` (emulated on CPU) in rounds of a static receive window
+             (`moe.dropless_window` x the balanced load); steps whose largest load exceeds the window run
+             overflow rounds, so buffers follow the window and compute the load.
 
 Dispatch and combine are gathers through both directions of one permutation (routing_plan.py), also in
 the backward pass. Without a mesh (single-device reference runs) the same code runs with ep=1 and no
@@ -30,14 +30,17 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from moejax.kernels import grouped_gemm
+from moejax.parallel import dropless
 from moejax.parallel.mesh import BATCH_AXES, EXPERT_AXIS, FFN_AXIS, FSDP_AXIS, current_mesh
 from moejax.parallel.routing_plan import combine_rows, dispatch_rows, make_plan
 
 
 class DispatchStats(NamedTuple):
-    tokens_per_expert_E: jax.Array  # assignments routed to each expert, summed over the whole mesh
-    dropped: jax.Array  # assignments dropped for capacity, summed over the whole mesh
-    assignments: jax.Array  # tokens * top_k, summed over the whole mesh
+    # int32, summed over the whole mesh: f32 sums are exact only to 2^24, a DeepSeek-V3 step has ~1.3e8 assignments
+    tokens_per_expert_E: jax.Array  # assignments routed to each expert
+    dropped: jax.Array  # assignments dropped for capacity (dropless: 0)
+    assignments: jax.Array  # tokens * top_k
+    rounds: jax.Array  # dropless rounds this step ran (the same on every device); 1 in the other modes
 
 
 def capacity_per_expert(tokens_per_device: int, top_k: int, n_experts: int, capacity_factor: float) -> int:
@@ -51,20 +54,10 @@ def capacity_per_expert(tokens_per_device: int, top_k: int, n_experts: int, capa
     return max(1, min(tokens_per_device, math.ceil(capacity_factor * balanced)))
 
 
-def dropless_recv_bound(tokens_per_device: int, top_k: int, ep: int, n_local: int, recv_factor: float) -> int:
-    """Rows one device can receive in dropless mode. recv_factor <= 0: the worst case (every source sends
-    all its rows for these experts: a token picks each expert at most once, so min(K, E_local) per token);
-    else that factor times the balanced load (T*K rows), overflow dropped deterministically and counted."""
-    worst = ep * tokens_per_device * min(top_k, n_local)
-    if recv_factor <= 0:
-        return worst
-    return max(1, min(worst, math.ceil(recv_factor * tokens_per_device * top_k)))
-
-
-def _buffer_rows(mode, tokens_per_device, top_k, n_experts, ep, capacity_factor, recv_factor) -> int:
-    """Per-expert slots (capacity, allgather) or the receive bound in rows (dropless)."""
+def _buffer_rows(mode, tokens_per_device, top_k, n_experts, ep, capacity_factor, dropless_window) -> int:
+    """Per-expert slots (capacity, allgather) or the rows of one round's receive window (dropless)."""
     if mode == "dropless":
-        return dropless_recv_bound(tokens_per_device, top_k, ep, n_experts // ep, recv_factor)
+        return dropless.window_rows(tokens_per_device, top_k, ep, n_experts // ep, dropless_window)
     # allgather: each expert sees the tokens of its whole expert group.
     seen = tokens_per_device * ep if mode == "allgather" else tokens_per_device
     return capacity_per_expert(seen, top_k, n_experts, capacity_factor)
@@ -75,11 +68,11 @@ def _plan(expert_idx_TxK, expert_w_TxK, n_experts, capacity, drop_policy):
     return make_plan(expert_idx_TxK.reshape(-1), n_experts, capacity, priority)
 
 
-def _stats(counts_E, dropped, assignments, collective: bool) -> DispatchStats:
-    counts_E, dropped, assignments = counts_E.astype(jnp.float32), dropped.astype(jnp.float32), jnp.float32(assignments)
+def _stats(counts_E, dropped, assignments, collective: bool, rounds=1) -> DispatchStats:
+    counts_E, dropped, assignments = counts_E.astype(jnp.int32), dropped.astype(jnp.int32), jnp.int32(assignments)
     if collective:
         counts_E, dropped, assignments = jax.lax.psum((counts_E, dropped, assignments), BATCH_AXES)
-    return DispatchStats(counts_E, dropped, assignments)
+    return DispatchStats(counts_E, dropped, assignments, jnp.asarray(rounds, jnp.int32))
 
 
 def _capacity_moe(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, ffn_axis,
@@ -138,117 +131,13 @@ def _allgather_moe(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF
     return out_TxD, _stats(counts_E, dropped, n_tokens * top_k, collective)
 
 
-def _excl_cumsum(x):
-    return jnp.cumsum(x) - x
-
-
-def _ragged_exchange_emulated(rows_NxD, input_offsets, send_sizes, output_offsets, recv_sizes, out_rows):
-    """What `lax.ragged_all_to_all` computes, from a dense all_to_all of chunks padded to N rows (XLA:CPU
-    cannot compile the ragged op). Row j of the chunk for device d is rows[input_offsets[d] + j]; it lands
-    at output_offsets[d] + j on device d; output rows nothing lands on are zero."""
-    n_rows, d_model = rows_NxD.shape
-    ep = send_sizes.shape[0]
-    j = jnp.arange(n_rows, dtype=jnp.int32)
-    src = jnp.where(j[None, :] < send_sizes[:, None], input_offsets[:, None] + j[None, :], n_rows)
-    chunks_PxNxD = jnp.take(rows_NxD, src, axis=0, mode="fill", fill_value=0)
-    got_PxNxD = jax.lax.all_to_all(chunks_PxNxD, EXPERT_AXIS, 0, 0)  # [source, N, D]
-    # Where each source said its rows go: all_to_all the senders' output_offsets to the receivers.
-    at_P = jax.lax.all_to_all(output_offsets, EXPERT_AXIS, 0, 0)
-    r = jnp.arange(out_rows, dtype=jnp.int32)
-    inside_PxR = (r[None, :] >= at_P[:, None]) & (r[None, :] < at_P[:, None] + recv_sizes[:, None])
-    source_R = jnp.argmax(inside_PxR, axis=0)
-    pos_R = jnp.where(jnp.any(inside_PxR, axis=0), r - at_P[source_R], n_rows)
-    flat = got_PxNxD.reshape(ep * n_rows, d_model)
-    return jnp.take(flat, source_R * n_rows + pos_R, axis=0, mode="fill", fill_value=0)
-
-
-def _ragged_exchange(rows_NxD, input_offsets, send_sizes, output_offsets, recv_sizes, out_rows):
-    def native(rows, in_off, send, out_off, recv):
-        # The output buffer varies over the batch axes like the rows (shard_map's check_vma typing).
-        out = jax.lax.pcast(jnp.zeros((out_rows, rows.shape[-1]), rows.dtype), BATCH_AXES, to="varying")
-        return jax.lax.ragged_all_to_all(rows, out, in_off, send, out_off, recv, axis_name=EXPERT_AXIS)
-
-    def emulated(rows, in_off, send, out_off, recv):
-        return _ragged_exchange_emulated(rows, in_off, send, out_off, recv, out_rows)
-
-    return jax.lax.platform_dependent(rows_NxD, input_offsets, send_sizes, output_offsets, recv_sizes,
-                                      cpu=emulated, default=native)
-
-
 def _dropless_moe(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, ffn_axis,
                   n_experts, ep, capacity, gemm, drop_policy, collective):
-    """Exact ragged exchange: only routed rows move. `capacity` here is the receive bound in rows."""
-    n_tokens, top_k = expert_idx_TxK.shape
-    n_assign = n_tokens * top_k
-    n_local = n_experts // ep
-    recv_bound = capacity
-    # Sender: assignments sorted by expert, hence by destination device.
-    expert_A = expert_idx_TxK.reshape(-1)
-    order_A = jnp.argsort(expert_A, stable=True).astype(jnp.int32)
-    rank_A = jnp.argsort(order_A).astype(jnp.int32)  # assignment -> its row in sorted order
-    rows_AxD = dispatch_rows(x_TxD, rank_A, order_A, top_k)
-    counts_E = jnp.bincount(expert_A, length=n_experts).astype(jnp.int32)
-    counts_PxL = counts_E.reshape(ep, n_local)
-    send_sizes = counts_PxL.sum(axis=1)
-    input_offsets = _excl_cumsum(send_sizes)
-    if ep > 1:
-        recv_counts_PxL = jax.lax.all_to_all(counts_PxL, EXPERT_AXIS, 0, 0)
-    else:
-        recv_counts_PxL = counts_PxL
-    # Receiver: sources in order fill [0, recv_bound); what does not fit is dropped (and counted).
-    recv_sizes = recv_counts_PxL.sum(axis=1)
-    recv_offsets = _excl_cumsum(recv_sizes)
-    accepted = jnp.clip(recv_bound - recv_offsets, 0, recv_sizes)
-    if ep > 1:
-        # Each sender learns where its rows go on every receiver and how many fit.
-        sent = jax.lax.all_to_all(jnp.stack([recv_offsets, accepted], axis=1), EXPERT_AXIS, 0, 0)
-        output_offsets, send_ok = sent[:, 0], sent[:, 1]
-        recv_rows = _ragged_exchange(rows_AxD, input_offsets, send_ok, output_offsets, accepted, recv_bound)
-    else:
-        send_ok = accepted
-        recv_rows = jnp.take(rows_AxD, jnp.arange(recv_bound), axis=0, mode="fill", fill_value=0)
-    # Group received rows by local expert: source p's chunk is sorted by expert with recv_counts_PxL[p].
-    r = jnp.arange(recv_bound, dtype=jnp.int32)
-    source_R = jnp.clip(jnp.searchsorted(recv_offsets, r, side="right") - 1, 0, ep - 1)
-    pos_R = r - recv_offsets[source_R]
-    valid_R = pos_R < accepted[source_R]
-    ends_PxL = jnp.cumsum(recv_counts_PxL, axis=1)
-    expert_R = jnp.sum(pos_R[:, None] >= ends_PxL[source_R], axis=1)
-    expert_R = jnp.where(valid_R, expert_R, n_local)  # padding rows go to a virtual expert with no slots
-    ones_R = jnp.ones_like(recv_rows[:, :1])  # combine weights of 1; varies like the rows (check_vma)
-    if gemm in ("ragged_dot", "tokamax"):
-        # Rows sorted by local expert, one ragged grouped matmul: no padding at all.
-        order_R = jnp.argsort(expert_R, stable=True).astype(jnp.int32)
-        rank_R = jnp.argsort(order_R).astype(jnp.int32)
-        sorted_rows = dispatch_rows(recv_rows, rank_R, order_R, 1)
-        group_sizes = jnp.bincount(expert_R, length=n_local + 1)[:n_local].astype(jnp.int32)
-        y_sorted_R = grouped_gemm.ragged_expert_ffn(sorted_rows, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD,
-                                                    group_sizes, kernel=gemm, ffn_axis=ffn_axis)
-        y_recv = combine_rows(y_sorted_R, ones_R.astype(y_sorted_R.dtype), rank_R, order_R)
-    else:
-        # Padded to [E_local, recv_bound, D] for the batched einsum (CPU: no E-times masked work).
-        group_plan = make_plan(expert_R, n_local + 1, recv_bound)
-        n_slots = n_local * recv_bound
-        slot_R = jnp.where(group_plan.slot_A < n_slots, group_plan.slot_A, n_slots)
-        buf_SxD = dispatch_rows(recv_rows, slot_R, group_plan.src_S[:n_slots], 1)
-        y_ExCxD = grouped_gemm.expert_ffn(buf_SxD.reshape(n_local, recv_bound, -1), w_gate_ExDxF, w_up_ExDxF,
-                                          w_down_ExFxD, kernel="einsum", ffn_axis=ffn_axis)
-        y_recv = combine_rows(y_ExCxD.reshape(n_slots, -1), ones_R.astype(y_ExCxD.dtype), slot_R,
-                              group_plan.src_S[:n_slots])
-    # Back to the senders, into their sorted order, then to (token, k) and combine.
-    if ep > 1:
-        # Each row returns to where it came from: source p's sorted buffer at p's input offset for me.
-        return_offsets = jax.lax.all_to_all(input_offsets, EXPERT_AXIS, 0, 0)
-        y_sorted = _ragged_exchange(y_recv, recv_offsets, accepted, return_offsets, send_ok, n_assign)
-    else:
-        y_sorted = jnp.take(y_recv, jnp.arange(n_assign), axis=0, mode="fill", fill_value=0)
-    j_A = jnp.arange(n_assign, dtype=jnp.int32)
-    dest_A = jnp.clip(jnp.searchsorted(input_offsets, j_A, side="right") - 1, 0, ep - 1)
-    kept_sorted = (j_A - input_offsets[dest_A]) < send_ok[dest_A]
-    slot_A = jnp.where(kept_sorted[rank_A], rank_A, n_assign)
-    out_TxD = combine_rows(y_sorted, expert_w_TxK, slot_A, jnp.where(kept_sorted, order_A, n_assign))
-    dropped = jnp.sum(~kept_sorted)
-    return out_TxD, _stats(counts_E, dropped, n_assign, collective)
+    """dropless.py; `capacity` here is the window: rows received per round."""
+    out_TxD, counts_E, rounds = dropless.dropless_moe(
+        x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, n_experts=n_experts, ep=ep,
+        window=capacity, gemm=gemm, ffn_axis=ffn_axis, collective=collective)
+    return out_TxD, _stats(counts_E, jnp.int32(0), expert_idx_TxK.size, collective, rounds)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
@@ -289,7 +178,7 @@ _MODES = {"capacity": _capacity_moe, "allgather": _allgather_moe, "dropless": _d
 
 def routed_experts(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *,
                    capacity_factor: float, mode: str = "capacity", drop_policy: str = "position",
-                   gemm: str = "einsum", recv_factor: float = 0.0, compute_dtype=None, f32_grad: bool = True):
+                   gemm: str = "einsum", dropless_window: float = 1.25, compute_dtype=None, f32_grad: bool = True):
     """Routed-expert output [T, D] for tokens x [T, D] and their top-k experts/weights [T, K]. The expert weights
     come as stored (param dtype) and are cast to compute_dtype (default: x's) where they are used."""
     dtype = jnp.dtype(compute_dtype or x_TxD.dtype)
@@ -298,7 +187,7 @@ def routed_experts(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF
     body_fn = _MODES[mode]
     mesh = current_mesh()
     if mesh is None:
-        capacity = _buffer_rows(mode, x_TxD.shape[0], top_k, n_experts, 1, capacity_factor, recv_factor)
+        capacity = _buffer_rows(mode, x_TxD.shape[0], top_k, n_experts, 1, capacity_factor, dropless_window)
         w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD = (w.astype(dtype) for w in (w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD))
         return body_fn(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD,
                        n_experts=n_experts, ep=1, capacity=capacity, gemm=gemm, drop_policy=drop_policy,
@@ -309,7 +198,7 @@ def routed_experts(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF
     if x_TxD.shape[0] % batch_shards:
         raise ValueError(f"{x_TxD.shape[0]} tokens do not split over {batch_shards} batch shards")
     capacity = _buffer_rows(mode, x_TxD.shape[0] // batch_shards, top_k, n_experts, ep, capacity_factor,
-                            recv_factor)
+                            dropless_window)
     tokens = P(BATCH_AXES, None)
     # Expert weights enter as stored: split over `expert`, over fsdp on d_model, and over the tensor axis on the
     # FFN dim; inside, they are cast and all-gathered over fsdp (_weights_for_compute). Tokens are replicated over
@@ -317,7 +206,7 @@ def routed_experts(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF
     ffn_axis = FFN_AXIS if mesh.shape[FFN_AXIS] > 1 else None
     w_in = P(EXPERT_AXIS, FSDP_AXIS, ffn_axis)  # gate, up: [E, D, F]
     w_out = P(EXPERT_AXIS, ffn_axis, FSDP_AXIS)  # down: [E, F, D]
-    stats_spec = DispatchStats(P(), P(), P())
+    stats_spec = DispatchStats(P(), P(), P(), P())
 
     def body(x, idx, w, w_gate, w_up, w_down):
         sizes = (mesh.shape["data"], mesh.shape[FSDP_AXIS])

@@ -36,7 +36,8 @@ def _moe_metrics(stats, model_state) -> dict:
         "z_loss": jnp.mean(stats.z_loss),
         "expert_imbalance": jnp.max(imbalance_L),
         "expert_imbalance_per_layer": imbalance_L,
-        "dropped_fraction": jnp.sum(stats.dropped) / jnp.maximum(jnp.sum(stats.assignments), 1.0),
+        "dropped_fraction": jnp.sum(stats.dropped) / jnp.maximum(jnp.sum(stats.assignments), 1),
+        "dropless_rounds": jnp.max(stats.dropless_rounds),
         "router_bias_norm": jnp.sqrt(sum(jnp.sum(b * b) for b in bias)) if bias else jnp.float32(0),
         "tokens_per_expert": load_LxE,
     }
@@ -90,7 +91,8 @@ def _accumulate(state, graphdef, tokens_BxL1, segments_BxL1, mtp_weight, mtp_dep
     grads, (loss_N, ce_N, stats, parts) = jax.lax.scan(body, zeros, (tokens_NxBxL1, segments_NxBxL1, share_NxH))
     if stats is not None:
         stats = stats._replace(**{k: jnp.mean(v, axis=0) for k, v in stats._asdict().items()
-                                  if k not in ("tokens_per_expert_E", "dropped", "assignments")},
+                                  if k not in ("tokens_per_expert_E", "dropped", "assignments", "dropless_rounds")},
+                               dropless_rounds=jnp.max(stats.dropless_rounds, axis=0),
                                tokens_per_expert_E=jnp.sum(stats.tokens_per_expert_E, axis=0),
                                dropped=jnp.sum(stats.dropped, axis=0), assignments=jnp.sum(stats.assignments, axis=0))
     parts = parts._replace(stats=None, ce=jnp.sum(share_NxH[:, 0] * ce_N), aux=jnp.mean(parts.aux, axis=0),

@@ -1,0 +1,266 @@
+"""Dropless expert dispatch: every routed row reaches its expert, in rounds of a static receive window.
+
+Each device sorts its (token, k) assignments by expert, hence by destination device, and the devices exchange
+their per-expert counts (int32) over `expert`. A receiver orders what it gets by source device, each source's
+rows sorted by expert: its "receive order". A round moves the rows whose receive-order position falls in a
+window of R rows (`moe.dropless_window` x the balanced load T*K, static, so XLA plans its buffers for R and not
+for the worst case ep*T*min(K, E_local)): each sender's slice goes out with `lax.ragged_all_to_all` (on CPU a
+result-identical dense emulation: XLA:CPU cannot compile the ragged op), the local experts run as one grouped
+GEMM over the window, and the outputs go back the same way.
+
+Round 0 always runs. When the mesh-wide largest receive load exceeds R (a hot expert, an untrained router,
+adversarial routing), the rest runs as overflow rounds 1..n-1 in a while loop under a custom VJP that keeps
+only the round's inputs and recomputes each round in the backward: memory of one round whatever the load.
+Compute and bytes follow the load (one window for a step within it, one more per R rows of overload), memory
+is bounded by the window, and no row is ever dropped.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moejax.kernels import grouped_gemm
+from moejax.parallel.mesh import BATCH_AXES, EXPERT_AXIS
+from moejax.parallel.routing_plan import combine_rows, dispatch_rows
+
+
+def worst_case_rows(tokens_per_device: int, top_k: int, ep: int, n_local: int) -> int:
+    """Rows one device can receive: every source sends all its rows for these experts (a token picks each expert
+    at most once, so min(K, E_local) per token)."""
+    return ep * tokens_per_device * min(top_k, n_local)
+
+
+def window_rows(tokens_per_device: int, top_k: int, ep: int, n_local: int, window: float) -> int:
+    """Rows of one dropless round: `window` x the balanced load (T*K), at most the worst case (then one round
+    always suffices and no overflow code is compiled)."""
+    worst = worst_case_rows(tokens_per_device, top_k, ep, n_local)
+    return max(1, min(worst, math.ceil(window * tokens_per_device * top_k)))
+
+
+def tile_rows(window: int, n_local: int) -> int:
+    """Rows per tile of the CPU grouped GEMM (each expert's rows padded to whole tiles): 128, smaller for small
+    windows so the padding (< n_local tiles) stays a fraction of the window."""
+    return int(min(128, max(8, -(-(window // (4 * n_local)) // 8) * 8)))
+
+
+class Exchange(NamedTuple):
+    """One device's view of the step's exchange (int32; P = devices on `expert`, L = local experts)."""
+    input_offsets_P: jax.Array  # where my rows for device p start in my expert-sorted buffer
+    send_sizes_P: jax.Array  # how many rows I send to device p
+    out_offsets_P: jax.Array  # where my rows start in device p's receive order
+    recv_offsets_P: jax.Array  # where source p's rows start in my receive order
+    recv_sizes_P: jax.Array  # how many rows source p sends me
+    recv_counts_PxL: jax.Array  # of which, for each of my local experts
+    return_offsets_P: jax.Array  # where source p keeps my rows in its sorted buffer (its input offset for me)
+
+
+def _excl_cumsum(x, axis=0):
+    return jnp.cumsum(x, axis=axis) - x
+
+
+def _swap(x, ep):
+    """Row p of x goes to device p; row p of the result came from device p (ep = 1: unchanged)."""
+    return jax.lax.all_to_all(x, EXPERT_AXIS, 0, 0) if ep > 1 else x
+
+
+def plan_exchange(counts_E, ep: int) -> Exchange:
+    counts_PxL = counts_E.reshape(ep, -1)
+    send_P = counts_PxL.sum(axis=1)
+    input_offsets_P = _excl_cumsum(send_P)
+    recv_counts_PxL = _swap(counts_PxL, ep)
+    recv_P = recv_counts_PxL.sum(axis=1)
+    recv_offsets_P = _excl_cumsum(recv_P)
+    out_offsets_P, return_offsets_P = _swap(jnp.stack([recv_offsets_P, input_offsets_P]).T, ep).T
+    return Exchange(input_offsets_P, send_P, out_offsets_P, recv_offsets_P, recv_P, recv_counts_PxL,
+                    return_offsets_P)
+
+
+def _emulated_ragged_all_to_all(rows_NxD, input_offsets, send_sizes, output_offsets, recv_sizes, out_rows):
+    """What `lax.ragged_all_to_all` computes into a zero buffer, from a dense all_to_all of chunks padded to
+    min(N, out_rows) rows. Row j of the chunk for device d is rows[input_offsets[d] + j]; it lands at
+    output_offsets[d] + j on device d; output rows nothing lands on are zero."""
+    n_rows, d_model = rows_NxD.shape
+    chunk = min(n_rows, out_rows)
+    ep = send_sizes.shape[0]
+    j = jnp.arange(chunk, dtype=jnp.int32)
+    src = jnp.where(j[None, :] < send_sizes[:, None], input_offsets[:, None] + j[None, :], n_rows)
+    chunks_PxCxD = jnp.take(rows_NxD, src, axis=0, mode="fill", fill_value=0)
+    got_PxCxD = jax.lax.all_to_all(chunks_PxCxD, EXPERT_AXIS, 0, 0)  # [source, chunk, D]
+    at_P = jax.lax.all_to_all(output_offsets, EXPERT_AXIS, 0, 0)  # where each source said its rows go
+    r = jnp.arange(out_rows, dtype=jnp.int32)
+    inside_PxR = (r[None, :] >= at_P[:, None]) & (r[None, :] < at_P[:, None] + recv_sizes[:, None])
+    source_R = jnp.argmax(inside_PxR, axis=0)
+    flat_R = jnp.where(jnp.any(inside_PxR, axis=0), source_R * chunk + r - at_P[source_R], ep * chunk)
+    return jnp.take(got_PxCxD.reshape(ep * chunk, d_model), flat_R, axis=0, mode="fill", fill_value=0)
+
+
+def ragged_exchange(rows_NxD, input_offsets, send_sizes, output_offsets, recv_sizes, out_rows: int):
+    """`lax.ragged_all_to_all` over `expert` into a zero [out_rows, D] buffer (emulated on CPU)."""
+
+    def native(rows, in_off, send, out_off, recv):
+        # The output buffer varies over the batch axes like the rows (shard_map's check_vma typing).
+        out = jax.lax.pcast(jnp.zeros((out_rows, rows.shape[-1]), rows.dtype), BATCH_AXES, to="varying")
+        return jax.lax.ragged_all_to_all(rows, out, in_off, send, out_off, recv, axis_name=EXPERT_AXIS)
+
+    def emulated(rows, in_off, send, out_off, recv):
+        return _emulated_ragged_all_to_all(rows, in_off, send, out_off, recv, out_rows)
+
+    return jax.lax.platform_dependent(rows_NxD, input_offsets, send_sizes, output_offsets, recv_sizes,
+                                      cpu=emulated, default=native)
+
+
+def _local_copy(rows_NxD, input_offset, size, output_offset, out_rows: int):
+    """The one-device exchange: rows[input_offset + i] -> out[output_offset + i] for i < size, zeros elsewhere."""
+    r = jnp.arange(out_rows, dtype=jnp.int32)
+    i = r - output_offset
+    src = jnp.where((i >= 0) & (i < size), input_offset + i, rows_NxD.shape[0])
+    return jnp.take(rows_NxD, src, axis=0, mode="fill", fill_value=0)
+
+
+def _exchange(rows_NxD, input_offsets, send_sizes, output_offsets, recv_sizes, out_rows: int, ep: int):
+    if ep > 1:
+        return ragged_exchange(rows_NxD, input_offsets, send_sizes, output_offsets, recv_sizes, out_rows)
+    return _local_copy(rows_NxD, input_offsets[0], send_sizes[0], output_offsets[0], out_rows)
+
+
+def _tile_plan(expert_R, n_local: int, tile: int, n_slots: int):
+    """Rows grouped by expert, each expert's group padded to whole tiles: (slot_R, src_S, tile_expert_N).
+    expert_R == n_local marks an empty window row (no slot)."""
+    n_rows = expert_R.shape[0]
+    counts_L = jnp.bincount(expert_R, length=n_local + 1)[:n_local].astype(jnp.int32)
+    starts = _excl_cumsum(jnp.concatenate([counts_L, jnp.zeros((1,), jnp.int32)]))  # [L + 1]
+    padded_start = _excl_cumsum(jnp.concatenate([(counts_L + tile - 1) // tile * tile, jnp.zeros((1,), jnp.int32)]))
+    order_R = jnp.argsort(expert_R, stable=True).astype(jnp.int32)
+    e_sorted = expert_R[order_R]
+    rank_sorted = jnp.arange(n_rows, dtype=jnp.int32) - starts[e_sorted]
+    slot_sorted = jnp.where(e_sorted < n_local, padded_start[e_sorted] + rank_sorted, n_slots)
+    slot_R = slot_sorted[jnp.argsort(order_R)].astype(jnp.int32)  # inverse permutation by sort, not scatter
+    s = jnp.arange(n_slots, dtype=jnp.int32)
+    group_S = jnp.clip(jnp.searchsorted(padded_start[:n_local], s, side="right") - 1, 0, n_local - 1)
+    rank_S = s - padded_start[group_S]
+    filled = rank_S < counts_L[group_S]
+    src_S = jnp.where(filled, order_R[jnp.minimum(starts[group_S] + rank_S, n_rows - 1)], n_rows).astype(jnp.int32)
+    return slot_R, src_S, group_S[::tile]
+
+
+def window_expert_ffn(x_RxD, expert_R, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, gemm: str, ffn_axis):
+    """The local experts' SwiGLU over a window of rows in any order; expert_R == n_local rows come out zero."""
+    n_rows, n_local = x_RxD.shape[0], w_gate_ExDxF.shape[0]
+    ones_R = jnp.ones_like(x_RxD[:, :1])  # combine weights of 1; varies like the rows (check_vma)
+    if gemm in ("ragged_dot", "tokamax"):
+        # Rows sorted by expert, one ragged grouped GEMM over the window: the kernel skips no row, pads none.
+        order_R = jnp.argsort(expert_R, stable=True).astype(jnp.int32)
+        rank_R = jnp.argsort(order_R).astype(jnp.int32)
+        sorted_RxD = dispatch_rows(x_RxD, rank_R, order_R, 1)
+        sizes_L = jnp.bincount(expert_R, length=n_local + 1)[:n_local].astype(jnp.int32)
+        y_RxD = grouped_gemm.ragged_expert_ffn(sorted_RxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, sizes_L,
+                                               kernel=gemm, ffn_axis=ffn_axis)
+        return combine_rows(y_RxD, ones_R.astype(y_RxD.dtype), rank_R, order_R)
+    # einsum: block-diagonal tiles (megablox-style), each expert's rows padded to whole tiles, so the work is the
+    # window plus under one tile per expert, not every expert padded to the window.
+    tile = tile_rows(n_rows, n_local)
+    n_slots = -(-(n_rows + n_local * (tile - 1)) // tile) * tile
+    slot_R, src_S, tile_expert_N = _tile_plan(expert_R, n_local, tile, n_slots)
+    x_NxMxD = dispatch_rows(x_RxD, slot_R, src_S, 1).reshape(n_slots // tile, tile, -1)
+    y_NxMxD = grouped_gemm.tiled_expert_ffn(x_NxMxD, tile_expert_N, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD,
+                                            ffn_axis=ffn_axis)
+    return combine_rows(y_NxMxD.reshape(n_slots, -1), ones_R.astype(y_NxMxD.dtype), slot_R, src_S)
+
+
+def _round(r, rows_AxD, w_gate, w_up, w_down, ex: Exchange, *, window: int, ep: int, gemm: str, ffn_axis):
+    """Round r: the rows in receive-order positions [r*window, (r+1)*window) of every receiver, through their
+    experts and back. Returns [A, D]: those rows' outputs at their places in the sender's sorted buffer, zero
+    elsewhere."""
+    n_assign = rows_AxD.shape[0]
+    n_local = w_gate.shape[0]
+    lo = r * window
+    # Sender: the part of my chunk for device p that falls in p's window.
+    a_P = jnp.clip(lo - ex.out_offsets_P, 0, ex.send_sizes_P)
+    b_P = jnp.clip(lo + window - ex.out_offsets_P, 0, ex.send_sizes_P)
+    # Receiver: the part of source p's chunk that falls in my window (the same rows, seen from here).
+    c_P = jnp.clip(lo - ex.recv_offsets_P, 0, ex.recv_sizes_P)
+    d_P = jnp.clip(lo + window - ex.recv_offsets_P, 0, ex.recv_sizes_P)
+    x_WxD = _exchange(rows_AxD, ex.input_offsets_P + a_P, b_P - a_P, ex.out_offsets_P + a_P - lo, d_P - c_P,
+                      window, ep)
+    # Each window row's local expert: source p's rows are sorted by expert with recv_counts_PxL[p].
+    g_W = lo + jnp.arange(window, dtype=jnp.int32)
+    source_W = jnp.clip(jnp.searchsorted(ex.recv_offsets_P, g_W, side="right") - 1, 0, ep - 1)
+    pos_W = g_W - ex.recv_offsets_P[source_W]
+    ends_PxL = jnp.cumsum(ex.recv_counts_PxL, axis=1)
+    expert_W = jnp.sum(pos_W[:, None] >= ends_PxL[source_W], axis=1).astype(jnp.int32)
+    expert_W = jnp.where(pos_W < ex.recv_sizes_P[source_W], expert_W, n_local)
+    y_WxD = window_expert_ffn(x_WxD, expert_W, w_gate, w_up, w_down, gemm=gemm, ffn_axis=ffn_axis)
+    return _exchange(y_WxD, ex.recv_offsets_P + c_P - lo, d_P - c_P, ex.return_offsets_P + c_P, b_P - a_P,
+                     n_assign, ep)
+
+
+def _int_cotangent(x):
+    return np.zeros(x.shape, dtype=jax.dtypes.float0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _overflow_rounds(static, n_rounds, rows_AxD, w_gate, w_up, w_down, ex: Exchange):
+    """Rounds 1..n_rounds-1 summed (each fills different rows). Memory of one round: the forward keeps only the
+    inputs, the backward recomputes one round at a time."""
+    round_fn = functools.partial(_round, **dict(static))
+
+    def body(r, acc):
+        return acc + round_fn(r, rows_AxD, w_gate, w_up, w_down, ex)
+
+    return jax.lax.fori_loop(1, n_rounds, body, jnp.zeros_like(rows_AxD))
+
+
+def _overflow_fwd(static, n_rounds, rows_AxD, w_gate, w_up, w_down, ex):
+    out = _overflow_rounds(static, n_rounds, rows_AxD, w_gate, w_up, w_down, ex)
+    return out, (n_rounds, rows_AxD, w_gate, w_up, w_down, ex)
+
+
+def _overflow_bwd(static, residuals, dy_AxD):
+    n_rounds, rows_AxD, w_gate, w_up, w_down, ex = residuals
+    round_fn = functools.partial(_round, **dict(static))
+
+    def body(r, grads):
+        _, vjp = jax.vjp(lambda *p: round_fn(r, *p, ex), rows_AxD, w_gate, w_up, w_down)
+        return tuple(g + d for g, d in zip(grads, vjp(dy_AxD)))
+
+    zeros = tuple(jnp.zeros_like(p) for p in (rows_AxD, w_gate, w_up, w_down))
+    grads = jax.lax.fori_loop(1, n_rounds, body, zeros)
+    return (_int_cotangent(n_rounds), *grads, jax.tree.map(_int_cotangent, ex))
+
+
+_overflow_rounds.defvjp(_overflow_fwd, _overflow_bwd)
+
+
+def dropless_moe(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, n_experts: int,
+                 ep: int, window: int, gemm: str, ffn_axis, collective: bool):
+    """Routed-expert output [T, D] and (mesh-wide int32 expert counts, rounds run). `window`: rows per round."""
+    n_tokens, top_k = expert_idx_TxK.shape
+    n_assign = n_tokens * top_k
+    n_local = n_experts // ep
+    expert_A = expert_idx_TxK.reshape(-1).astype(jnp.int32)
+    order_A = jnp.argsort(expert_A, stable=True).astype(jnp.int32)
+    rank_A = jnp.argsort(order_A).astype(jnp.int32)  # assignment -> its row in sorted order
+    rows_AxD = dispatch_rows(x_TxD, rank_A, order_A, top_k)
+    counts_E = jnp.bincount(expert_A, length=n_experts).astype(jnp.int32)
+    ex = plan_exchange(counts_E, ep)
+    static = (("window", window), ("ep", ep), ("gemm", gemm), ("ffn_axis", ffn_axis))
+    y_AxD = _round(0, rows_AxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, ex, **dict(static))
+    # Every device of the mesh runs the same number of rounds (collectives inside): the largest load decides.
+    need = jnp.sum(ex.recv_sizes_P)
+    if collective:
+        need = jax.lax.pmax(need, BATCH_AXES)
+    n_rounds = (need + window - 1) // window
+    if window < worst_case_rows(n_tokens, top_k, ep, n_local):
+        y_AxD = y_AxD + jax.lax.cond(
+            n_rounds > 1,
+            lambda *a: _overflow_rounds(static, *a),
+            lambda n, rows, *_: jnp.zeros_like(rows),
+            n_rounds, rows_AxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, ex)
+    out_TxD = combine_rows(y_AxD, expert_w_TxK, rank_A, order_A)
+    return out_TxD, counts_E, jnp.maximum(n_rounds, 1)
