@@ -45,7 +45,11 @@ def main():
     ap.add_argument("--d_ff", type=int, default=256)
     ap.add_argument("--expert_parallel", type=int, default=8)
     ap.add_argument("--capacity_factor", type=float, default=1.25)
-    ap.add_argument("--recv_factor", type=float, default=1.25, help="dropless receive bound x balanced load")
+    ap.add_argument("--dropless_window", type=float, default=1.25,
+                    help="dropless rows received per round x the balanced load (moe.dropless_window)")
+    ap.add_argument("--modes", default="capacity,allgather,dropless")
+    ap.add_argument("--backends", default="einsum,ragged_dot",
+                    help="grouped GEMMs (on CPU ragged_dot is a masked dense matmul: E_local x the work)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", default=None)
@@ -77,11 +81,11 @@ def main():
         ideal = jax.jit(jax.grad(ideal_loss, argnums=(0, 1, 2, 3)))
         t_ideal = timed(ideal, (x, wg, wu, wd), a.repeats)
         rows.append({"mode": "ideal (dense)", "backend": "-", "time_s": t_ideal, "ratio": 1.0})
-        for mode in ("capacity", "allgather", "dropless"):
-            for backend in ("einsum", "ragged_dot"):
+        for mode in a.modes.split(","):
+            for backend in a.backends.split(","):
                 def loss(x, wg, wu, wd, mode=mode, backend=backend):
                     y, _ = routed_experts(x, idx_TxK, w_TxK, wg, wu, wd, capacity_factor=a.capacity_factor,
-                                          mode=mode, gemm=backend, recv_factor=a.recv_factor)
+                                          mode=mode, gemm=backend, dropless_window=a.dropless_window)
                     return jnp.sum(y ** 2)
 
                 fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))

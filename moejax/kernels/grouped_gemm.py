@@ -103,12 +103,33 @@ def _einsum_ffn(x_ExCxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD):
     return jnp.einsum("ecf,efd->ecd", jax.nn.silu(gate_ExCxF) * up_ExCxF, w_down_ExFxD)
 
 
+@jax.custom_vjp
+def _tile_weights(w_ExAxB, tile_expert_N):
+    """[N, A, B]: each tile's expert's weights. Its transpose sums the tiles' gradients per expert as a one-hot
+    matmul (N x E x A x B multiply-adds, small next to the GEMMs) instead of autodiff's scatter-add."""
+    return jnp.take(w_ExAxB, tile_expert_N, axis=0)
+
+
+def _tile_weights_fwd(w_ExAxB, tile_expert_N):
+    return _tile_weights(w_ExAxB, tile_expert_N), (tile_expert_N, w_ExAxB[:, :0, 0])
+
+
+def _tile_weights_bwd(residuals, d_w_NxAxB):
+    tile_expert_N, like_Ex0 = residuals  # the weights' expert count, dtype and shard_map type
+    one_hot_NxE = jax.nn.one_hot(tile_expert_N, like_Ex0.shape[0], dtype=d_w_NxAxB.dtype)
+    d_w = _cotangent(jnp.einsum("ne,nab->eab", one_hot_NxE, d_w_NxAxB), frozenset(), like_Ex0).astype(like_Ex0.dtype)
+    return d_w, np.zeros(tile_expert_N.shape, dtype=jax.dtypes.float0)
+
+
+_tile_weights.defvjp(_tile_weights_fwd, _tile_weights_bwd)
+
+
 def tiled_expert_ffn(x_NxMxD, tile_expert_N, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, ffn_axis=None):
     """SwiGLU of N tiles of M rows, tile n through expert tile_expert_N[n]'s weights (megablox's block-diagonal
     grouped GEMM as a batched einsum). The per-tile weight gather reads D x F per M rows (M/2 FLOPs per byte
     at M = 128: the GEMM, not the gather, bounds it); its transpose sums the tiles' weight gradients per
     expert."""
-    w_gate_NxDxF, w_up_NxDxF, w_down_NxFxD = (jnp.take(w, tile_expert_N, axis=0)
+    w_gate_NxDxF, w_up_NxDxF, w_down_NxFxD = (_tile_weights(w, tile_expert_N)
                                               for w in (w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD))
     y_NxMxD = _einsum_ffn(x_NxMxD, w_gate_NxDxF, w_up_NxDxF, w_down_NxFxD)
     return jax.lax.psum(y_NxMxD, ffn_axis) if ffn_axis else y_NxMxD

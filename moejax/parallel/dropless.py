@@ -44,9 +44,10 @@ def window_rows(tokens_per_device: int, top_k: int, ep: int, n_local: int, windo
 
 
 def tile_rows(window: int, n_local: int) -> int:
-    """Rows per tile of the CPU grouped GEMM (each expert's rows padded to whole tiles): 128, smaller for small
-    windows so the padding (< n_local tiles) stays a fraction of the window."""
-    return int(min(128, max(8, -(-(window // (4 * n_local)) // 8) * 8)))
+    """Rows per tile of the einsum grouped GEMM (each expert's rows padded to whole tiles): 256 (measured on CPU,
+    benchmarks/moe_layer.py: 128-row tiles spend more on the per-tile weight gather, 512 on padding), smaller
+    for small windows so the padding (< n_local tiles) stays a fraction of the window."""
+    return int(min(256, max(8, -(-(window // (4 * n_local)) // 8) * 8)))
 
 
 class Exchange(NamedTuple):
@@ -81,12 +82,12 @@ def plan_exchange(counts_E, ep: int) -> Exchange:
                     return_offsets_P)
 
 
-def _emulated_ragged_all_to_all(rows_NxD, input_offsets, send_sizes, output_offsets, recv_sizes, out_rows):
+def _emulated_ragged_all_to_all(rows_NxD, input_offsets, send_sizes, output_offsets, recv_sizes, out_rows: int,
+                                chunk: int):
     """What `lax.ragged_all_to_all` computes into a zero buffer, from a dense all_to_all of chunks padded to
-    min(N, out_rows) rows. Row j of the chunk for device d is rows[input_offsets[d] + j]; it lands at
+    `chunk` rows (>= every send size). Row j of the chunk for device d is rows[input_offsets[d] + j]; it lands at
     output_offsets[d] + j on device d; output rows nothing lands on are zero."""
     n_rows, d_model = rows_NxD.shape
-    chunk = min(n_rows, out_rows)
     ep = send_sizes.shape[0]
     j = jnp.arange(chunk, dtype=jnp.int32)
     src = jnp.where(j[None, :] < send_sizes[:, None], input_offsets[:, None] + j[None, :], n_rows)
@@ -100,6 +101,30 @@ def _emulated_ragged_all_to_all(rows_NxD, input_offsets, send_sizes, output_offs
     return jnp.take(got_PxCxD.reshape(ep * chunk, d_model), flat_R, axis=0, mode="fill", fill_value=0)
 
 
+def emulation_chunks(n_rows: int, out_rows: int, ep: int) -> tuple[int, ...]:
+    """Static chunk sizes of the CPU emulation, smallest first: 1.25 x an even split of the sender's rows, doubling
+    up to the most one pair can move (min(n_rows, out_rows)). Each exchange pads to the smallest that holds the
+    mesh-wide largest send, so a balanced step moves about 1.25 x its rows, not ep x."""
+    most = min(n_rows, out_rows)
+    sizes, size = [], -(-(5 * n_rows) // (4 * ep * 8)) * 8
+    while size < most:
+        sizes.append(size)
+        size *= 2
+    return (*sizes, most)
+
+
+def _emulated(rows_NxD, input_offsets, send_sizes, output_offsets, recv_sizes, out_rows: int):
+    chunks = emulation_chunks(rows_NxD.shape[0], out_rows, send_sizes.shape[0])
+    args = (rows_NxD, input_offsets, send_sizes, output_offsets, recv_sizes)
+    if len(chunks) == 1:
+        return _emulated_ragged_all_to_all(*args, out_rows, chunks[0])
+    # Every device of the mesh takes the same branch (collectives inside): the largest send decides.
+    largest = jax.lax.pmax(jnp.max(send_sizes), BATCH_AXES)
+    pick = jnp.sum(largest > jnp.asarray(chunks[:-1], jnp.int32))
+    branches = [functools.partial(_emulated_ragged_all_to_all, out_rows=out_rows, chunk=c) for c in chunks]
+    return jax.lax.switch(pick, branches, *args)
+
+
 def ragged_exchange(rows_NxD, input_offsets, send_sizes, output_offsets, recv_sizes, out_rows: int):
     """`lax.ragged_all_to_all` over `expert` into a zero [out_rows, D] buffer (emulated on CPU)."""
 
@@ -109,7 +134,7 @@ def ragged_exchange(rows_NxD, input_offsets, send_sizes, output_offsets, recv_si
         return jax.lax.ragged_all_to_all(rows, out, in_off, send, out_off, recv, axis_name=EXPERT_AXIS)
 
     def emulated(rows, in_off, send, out_off, recv):
-        return _emulated_ragged_all_to_all(rows, in_off, send, out_off, recv, out_rows)
+        return _emulated(rows, in_off, send, out_off, recv, out_rows)
 
     return jax.lax.platform_dependent(rows_NxD, input_offsets, send_sizes, output_offsets, recv_sizes,
                                       cpu=emulated, default=native)
@@ -123,10 +148,35 @@ def _local_copy(rows_NxD, input_offset, size, output_offset, out_rows: int):
     return jnp.take(rows_NxD, src, axis=0, mode="fill", fill_value=0)
 
 
-def _exchange(rows_NxD, input_offsets, send_sizes, output_offsets, recv_sizes, out_rows: int, ep: int):
+class Moves(NamedTuple):
+    """One direction of an exchange, int32 [P]: what `lax.ragged_all_to_all` takes."""
+    input_offsets: jax.Array
+    send_sizes: jax.Array
+    output_offsets: jax.Array
+    recv_sizes: jax.Array
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _exchange(rows_NxD, there: Moves, back: Moves, out_rows: int, ep: int):
+    """Rows moved as `there` says into a zero [out_rows, D] buffer. `back` is the same rows' return trip (the
+    receivers' offsets), and the transpose: the cotangent goes back as rows would, a gather (the emulation's
+    autodiff would scatter-add)."""
     if ep > 1:
-        return ragged_exchange(rows_NxD, input_offsets, send_sizes, output_offsets, recv_sizes, out_rows)
-    return _local_copy(rows_NxD, input_offsets[0], send_sizes[0], output_offsets[0], out_rows)
+        return ragged_exchange(rows_NxD, *there, out_rows)
+    return _local_copy(rows_NxD, there.input_offsets[0], there.send_sizes[0], there.output_offsets[0], out_rows)
+
+
+def _exchange_fwd(rows_NxD, there, back, out_rows, ep):
+    return _exchange(rows_NxD, there, back, out_rows, ep), (there, back, jnp.zeros((rows_NxD.shape[0], 0), jnp.int8))
+
+
+def _exchange_bwd(out_rows, ep, residuals, d_out):
+    there, back, like_Nx0 = residuals  # like_Nx0: the input's row count
+    return (_exchange(d_out, back, there, like_Nx0.shape[0], ep), jax.tree.map(_int_cotangent, there),
+            jax.tree.map(_int_cotangent, back))
+
+
+_exchange.defvjp(_exchange_fwd, _exchange_bwd)
 
 
 def _tile_plan(expert_R, n_local: int, tile: int, n_slots: int):
@@ -186,8 +236,10 @@ def _round(r, rows_AxD, w_gate, w_up, w_down, ex: Exchange, *, window: int, ep: 
     # Receiver: the part of source p's chunk that falls in my window (the same rows, seen from here).
     c_P = jnp.clip(lo - ex.recv_offsets_P, 0, ex.recv_sizes_P)
     d_P = jnp.clip(lo + window - ex.recv_offsets_P, 0, ex.recv_sizes_P)
-    x_WxD = _exchange(rows_AxD, ex.input_offsets_P + a_P, b_P - a_P, ex.out_offsets_P + a_P - lo, d_P - c_P,
-                      window, ep)
+    # There: my rows for p from my buffer to p's window. Back: p's window rows from source q to q's buffer.
+    there = Moves(ex.input_offsets_P + a_P, b_P - a_P, ex.out_offsets_P + a_P - lo, d_P - c_P)
+    back = Moves(ex.recv_offsets_P + c_P - lo, d_P - c_P, ex.return_offsets_P + c_P, b_P - a_P)
+    x_WxD = _exchange(rows_AxD, there, back, window, ep)
     # Each window row's local expert: source p's rows are sorted by expert with recv_counts_PxL[p].
     g_W = lo + jnp.arange(window, dtype=jnp.int32)
     source_W = jnp.clip(jnp.searchsorted(ex.recv_offsets_P, g_W, side="right") - 1, 0, ep - 1)
@@ -196,8 +248,7 @@ def _round(r, rows_AxD, w_gate, w_up, w_down, ex: Exchange, *, window: int, ep: 
     expert_W = jnp.sum(pos_W[:, None] >= ends_PxL[source_W], axis=1).astype(jnp.int32)
     expert_W = jnp.where(pos_W < ex.recv_sizes_P[source_W], expert_W, n_local)
     y_WxD = window_expert_ffn(x_WxD, expert_W, w_gate, w_up, w_down, gemm=gemm, ffn_axis=ffn_axis)
-    return _exchange(y_WxD, ex.recv_offsets_P + c_P - lo, d_P - c_P, ex.return_offsets_P + c_P, b_P - a_P,
-                     n_assign, ep)
+    return _exchange(y_WxD, back, there, n_assign, ep)
 
 
 def _int_cotangent(x):

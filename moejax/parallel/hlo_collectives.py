@@ -129,7 +129,8 @@ def replica_groups(line: str, n_devices: int) -> tuple[tuple[int, ...], ...]:
 
 
 def _call_graph(lines):
-    """(computation of each line, {caller: [(callee, times)]}, entry name)."""
+    """(computation of each line, {caller: [(callee, times)]}, entry name). times is None for the body and
+    condition of a while loop whose trip count depends on data (dropless overflow rounds)."""
     owner, edges, entry, current = [], defaultdict(list), None, None
     for line in lines:
         if m := _HEADER.match(line):
@@ -145,17 +146,16 @@ def _call_graph(lines):
         for c in _CALLEE.finditer(line):
             times = 1
             if c["how"] in ("body", "condition"):
-                if trip is None:
-                    raise ValueError(f"a while loop without a known trip count: {line.strip()[:160]}")
-                times = int(trip["n"]) + (c["how"] == "condition")
+                times = None if trip is None else int(trip["n"]) + (c["how"] == "condition")
             edges[current].append((c["name"], times))
         if b := _BRANCHES.search(line):
             edges[current] += [(n.strip().lstrip("%"), 1) for n in b["names"].split(",") if n.strip()]
     return owner, edges, entry
 
 
-def _multiplicities(edges, entry) -> dict[str, int]:
-    """How many times one run of ENTRY runs each computation (the call graph is a DAG)."""
+def _multiplicities(edges, entry, data_dependent_trips: int) -> dict[str, int]:
+    """How many times one run of ENTRY runs each computation (the call graph is a DAG), data-dependent loops
+    taken `data_dependent_trips` times."""
     order, seen = [], set()
 
     def visit(name):  # post-order, so a callee comes after all of its callers once reversed
@@ -170,25 +170,27 @@ def _multiplicities(edges, entry) -> dict[str, int]:
     times = defaultdict(int, {entry: 1})
     for name in reversed(order):
         for callee, k in edges.get(name, ()):
-            times[callee] += times[name] * k
+            times[callee] += times[name] * (data_dependent_trips if k is None else k)
     return times
 
 
 def collectives(hlo_text: str) -> list[Collective]:
     """Every collective of the program with its groups and per-run execution count. Text without an ENTRY
-    computation (a few instructions, as a test or a tool may pass) counts each instruction once."""
+    computation (a few instructions, as a test or a tool may pass) counts each instruction once. A while loop
+    whose trip count depends on data (dropless overflow rounds) counts 0 times: the step whose load fits its
+    window; its collectives are listed with count 0."""
     lines = hlo_text.splitlines()
     # A fragment without a module header does not say its device count: its default group is "all devices".
     n_devices = int(m["n"]) if (m := _PARTITIONS.search(hlo_text)) else None
     owner, edges, entry = _call_graph(lines)
     if entry is None:
-        owner, times = ["fragment"] * len(lines), {"fragment": 1}
+        owner, times, reached = ["fragment"] * len(lines), {"fragment": 1}, {"fragment": 1}
     else:
-        times = _multiplicities(edges, entry)
+        times, reached = _multiplicities(edges, entry, 0), _multiplicities(edges, entry, 1)
     out = []
     for line, comp in zip(lines, owner):
         m = _OP.search(line)
-        if not m or "-done(" in line or comp is None or times.get(comp, 0) == 0:
+        if not m or "-done(" in line or comp is None or reached.get(comp, 0) == 0:
             continue
         groups = replica_groups(line, n_devices or 1)
         if n_devices and all(len(g) <= 1 for g in groups):
@@ -197,7 +199,7 @@ def collectives(hlo_text: str) -> list[Collective]:
         if m["kind"] == "reduce-scatter":
             by_dtype = {t: n * len(groups[0]) for t, n in by_dtype.items()}
         name = n["name"] if (n := _OP_NAME.search(line)) else ""
-        out.append(Collective(m["kind"], sum(by_dtype.values()), groups, times[comp], name,
+        out.append(Collective(m["kind"], sum(by_dtype.values()), groups, times.get(comp, 0), name,
                               tuple(sorted(by_dtype.items()))))
     return out
 
