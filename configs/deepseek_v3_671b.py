@@ -50,7 +50,7 @@ def get_config():
     e.norm_topk_prob = True
     e.seq_aux_loss_coef = 1e-4
     e.bias_update_rate = 1e-3
-    e.dispatch = "dropless"
+    e.dispatch = "dropless"  # as published: no token is dropped
 
     c.mesh.data = 1
     c.mesh.fsdp = -1

@@ -39,4 +39,5 @@ def get_config():
     e.topk_groups = 4
     e.routed_scaling = 2.5
     e.bias_update_rate = 3e-2  # a short run needs faster balancing than DeepSeek-V3's 1e-3
+    e.dispatch = "dropless"  # as published: no token is dropped
     return c

@@ -32,6 +32,7 @@ def get_config():
     # all layers' router logits; tests/test_balance_loss_hf.py), so the HF value is used unconverted.
     e.batch_aux_loss_coef = 0.02
     e.seq_aux_loss_coef = 0.0
+    e.dispatch = "dropless"  # as published: no token is dropped
     c.mesh.data = 1
     c.mesh.fsdp = -1
     c.mesh.expert = 8

@@ -8,7 +8,7 @@ from flax import nnx
 from moejax.config import default_config
 from moejax.model.moe import MoE
 from moejax.parallel.dispatch import capacity_per_expert
-from moejax.parallel.hlo_collectives import collective_bytes
+from moejax.parallel.hlo_collectives import collective_bytes, collectives
 from moejax.parallel.mesh import batch_sharding, make_mesh
 from moejax.program.state import state_shardings
 
@@ -58,14 +58,7 @@ def test_hlo_parser_reads_tuples_groups_and_async_pairs():
                                      "reduce-scatter": 4 * 16 * 32 * 4}
 
 
-def test_dropless_gpu_lowering_moves_only_routed_rows(devices):
-    """Lowered for GPU (no GPU needed to lower), dropless exchanges each device's T*K routed rows with
-    two ragged_all_to_all ops and nothing else of row size: the dense all_to_alls carry only counts and
-    offsets. (XLA:CPU runs the emulation instead; tests/test_moe_parallel.py checks its results.)"""
-    import re
-
-    from moejax.parallel.dispatch import dropless_recv_bound
-
+def dropless_moe_program(devices, platform):
     c = default_config().moe
     c.n_routed_experts, c.top_k, c.d_ff_expert, c.n_shared_experts, c.dispatch = E, K, 16, 1, "dropless"
     graphdef, state = nnx.split(MoE(D, c, "einsum", rngs=nnx.Rngs(0), std=0.3))
@@ -74,11 +67,44 @@ def test_dropless_gpu_lowering_moves_only_routed_rows(devices):
     x = jax.device_put(jnp.ones((BATCH, SEQ, D)), batch_sharding(mesh))
     with jax.set_mesh(mesh):
         traced = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x)[0]).trace(state, x)
-        text = traced.lower(lowering_platforms=("cuda",)).as_text()
-    routed_rows = BATCH * SEQ // 8 * K
-    bound = dropless_recv_bound(BATCH * SEQ // 8, K, MESH["expert"], E // MESH["expert"], 0.0)
+        if platform == "cuda":
+            return traced.lower(lowering_platforms=("cuda",)).as_text(), c
+        return traced.lower().compile().as_text(), c
+
+
+def test_dropless_gpu_lowering_moves_only_routed_rows_within_the_window(devices):
+    """Lowered for GPU (no GPU needed to lower), dropless moves each device's T*K routed rows with
+    ragged_all_to_all into receive buffers of the window (1.25 x T*K here, not the worst case ep x T x
+    min(K, E_local)): round 0's two, and the overflow rounds' two inside their while loop. Every other
+    collective carries int32 metadata (counts, offsets, the mesh-wide largest load)."""
+    import re
+
+    from moejax.parallel.dropless import window_rows, worst_case_rows
+
+    text, c = dropless_moe_program(devices, "cuda")
+    tokens, ep = BATCH * SEQ // 8, MESH["expert"]
+    routed_rows = tokens * K
+    window = window_rows(tokens, K, ep, E // ep, c.dropless_window)
+    assert window == 40 < worst_case_rows(tokens, K, ep, E // ep) == 128
     ragged = re.findall(r"custom_call @ragged_all_to_all\(.*?\) \{.*?\} : \((tensor<[^>]+>), (tensor<[^>]+>)", text)
-    assert ragged == [(f"tensor<{routed_rows}x{D}xf32>", f"tensor<{bound}x{D}xf32>"),
-                      (f"tensor<{bound}x{D}xf32>", f"tensor<{routed_rows}x{D}xf32>")]
-    dense = re.findall(r'"stablehlo.all_to_all"\(%\w+\).*?: \((tensor<[^>]+>)\)', text)
-    assert dense and all(t.endswith("xi32>") or t == "tensor<4xi32>" for t in dense), dense
+    there, back = (f"tensor<{routed_rows}x{D}xf32>", f"tensor<{window}x{D}xf32>"), (f"tensor<{window}x{D}xf32>",
+                                                                                  f"tensor<{routed_rows}x{D}xf32>")
+    assert sorted(ragged) == sorted([there, back, there, back])
+    others = re.findall(r'"stablehlo.(?:all_to_all|all_reduce|all_gather)"\(%\w+\).*?: \((tensor<[^>]+>)\)', text)
+    assert others and all(t.endswith("xi32>") or t == "tensor<i32>" for t in others), others
+
+
+def test_dropless_cpu_emulation_moves_at_most_the_chosen_chunks(devices):
+    """XLA:CPU runs the exchange as a dense all_to_all of per-pair chunks padded to one of a few static sizes
+    (the smallest that holds the step's largest send): each row exchange moves ep x chunk rows, chunk from
+    emulation_chunks, plus int32 metadata."""
+    from moejax.parallel.dropless import emulation_chunks, window_rows
+
+    hlo, c = dropless_moe_program(devices, "cpu")
+    tokens, ep = BATCH * SEQ // 8, MESH["expert"]
+    window = window_rows(tokens, K, ep, E // ep, c.dropless_window)
+    allowed = {ep * chunk * D * 4 for n_rows, out_rows in ((tokens * K, window), (window, tokens * K))
+               for chunk in emulation_chunks(n_rows, out_rows, ep)}
+    row_moves = [cl for cl in collectives(hlo) if dict(cl.by_dtype).get("f32", 0) > 0]
+    assert row_moves and all(cl.kind == "all-to-all" and cl.bytes in allowed for cl in row_moves), row_moves
+    assert all(set(dict(cl.by_dtype)) == {"s32"} for cl in collectives(hlo) if cl not in row_moves)

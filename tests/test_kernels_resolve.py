@@ -62,6 +62,9 @@ def test_tokamax_grouped_gemm_needs_tileable_expert_dims(monkeypatch):
     c.moe.d_ff_expert = 192
     assert resolve.resolve_kernels(c, "gpu")["expert_gemm"] == "tokamax"
     assert resolve.resolve_kernels(c, "gpu", 9.0)["expert_gemm"] == "tokamax"
+    # Blackwell: auto takes the tiled einsum; tokamax asked for by name is refused.
+    assert resolve.resolve_kernels(c, "gpu", 10.3)["expert_gemm"] == "einsum"
+    c.kernels.expert_gemm = "tokamax"
     with pytest.raises(ConfigError, match="tokamax's Blackwell grouped GEMM cannot run inside shard_map"):
         resolve.resolve_kernels(c, "gpu", 10.3)
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 
 from moejax.config import default_config
-from moejax.parallel.dispatch import capacity_per_expert, dropless_recv_bound
+from moejax.parallel.dispatch import capacity_per_expert
+from moejax.parallel.dropless import window_rows, worst_case_rows
 from moejax.planner import activations
 from moejax.planner.activations import activation_terms, trace_config
 from moejax.planner.layout import Layout
@@ -90,22 +91,25 @@ def test_attention_scores_of_the_reference_attention_are_a_block_transient():
     assert abs(gpu[256] / (2 * gpu[128]) - 1) < 1e-3, gpu  # linear, up to O(experts) statistics
 
 
-def test_dropless_receive_buffers_are_sized_for_the_expert_parallelism():
-    """A dropless device receives up to ep x T x min(K, E_local) rows (the worst case, recv_factor 0): the
-    trace runs the MoE on an abstract mesh of the layout's expert axis instead of as if ep were 1."""
+def test_dropless_receive_buffers_are_sized_by_the_window_not_the_worst_case():
+    """A dropless device receives rows in rounds of a window (moe.dropless_window x T*K), so its buffers are the
+    window's, not the worst case ep x T x min(K, E_local): the trace runs the MoE on an abstract mesh of the
+    layout's expert axis, and the transient barely grows with ep (it grew ~4x with worst-case buffers)."""
     mb, seq, k, n_exp = 2, 128, 4, 16
     tokens = mb * seq
     cfg = small("dropless")
+    window = float(cfg.moe.dropless_window)
     for ep in (1, 4):
-        rows = dropless_recv_bound(tokens, k, ep, n_exp // ep, 0.0)
-        # Received rows [R, D] (and the expert FFN's [R, F]) per device; shard_map's residuals are stacked
-        # over the ep devices of the abstract mesh.
-        assert (ep * rows, 64) in _block_shapes(cfg, mb, ep), (ep, rows)
-    assert dropless_recv_bound(tokens, k, 4, 4, 0.0) == 4 * dropless_recv_bound(tokens, k, 1, 16, 0.0)
+        rows = window_rows(tokens, k, ep, n_exp // ep, window)
+        # Received rows [R, D] per device; shard_map's residuals are stacked over the ep devices of the mesh.
+        shapes = _block_shapes(cfg, mb, ep)
+        assert (ep * rows, 64) in shapes, (ep, rows)
+        if ep > 1:
+            assert (ep * worst_case_rows(tokens, k, ep, n_exp // ep), 64) not in shapes
+    assert window_rows(tokens, k, 4, 4, window) == int(np.ceil(window * tokens * k))
     t1 = activation_terms(cfg, mb, seq, "full", expert=1).layer
     t4 = activation_terms(cfg, mb, seq, "full", expert=4).layer
-    grown = dropless_recv_bound(tokens, k, 4, 4, 0.0) - dropless_recv_bound(tokens, k, 1, 16, 0.0)
-    assert t4 - t1 > 2 * grown * 64 * F32, (t1, t4)  # at least the received rows and the expert outputs
+    assert t4 / t1 < 1.5, (t1, t4)
     # Capacity dispatch receives E_local x ep x C = E x C rows at any ep: the per-device size barely moves.
     cap = small("capacity")
     c1, c4 = (activation_terms(cap, mb, seq, "full", expert=ep).layer for ep in (1, 4))

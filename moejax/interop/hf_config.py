@@ -100,6 +100,7 @@ def from_hf_config(hf: dict, base=None):
                 e.d_ff_expert = _require(hf, "moe_intermediate_size")
                 e.norm_topk_prob = bool(hf.get("norm_topk_prob", False))
         e.top_k = _require(hf, "num_experts_per_tok")
+        e.dispatch = "dropless"  # transformers' MoE blocks drop nothing: an imported model computes what they do
         if fmt == "mixtral" or fmt == "qwen3_moe":
             e.bias_update_rate = 0.0  # these routers have no selection bias to train or to export
     return cfg

@@ -85,6 +85,10 @@ def _expert_gemm(cfg, platform: str, compute_capability: float | None = None) ->
         # is the grouped GEMM, with no wasted work. Dropless groups are ragged: on GPU a grouped-GEMM kernel.
         if not (ragged and platform == "gpu"):
             return "einsum"
+        if compute_capability is not None and compute_capability >= 10:
+            # tokamax's Blackwell grouped GEMM cannot run inside shard_map (below): the block-diagonal tiled einsum
+            # (dropless.window_expert_ffn: batched GEMMs over 256-row tiles, each with its expert's weights).
+            return "einsum"
         _need_tokamax("expert_gemm", kernel, " with moe.dispatch='dropless' on gpu (grouped GEMM: tokamax)")
         kernel = "tokamax"
     elif kernel == "ragged_dot" and platform == "gpu":
@@ -98,7 +102,7 @@ def _expert_gemm(cfg, platform: str, compute_capability: float | None = None) ->
         # array has inside the dispatch shard_map (seen compiling for B200 and GB300; sm90 compiles).
         raise ConfigError(f"kernels.expert_gemm='tokamax' on compute capability {compute_capability}: tokamax's "
                           "Blackwell grouped GEMM cannot run inside shard_map (its Pallas kernel refuses "
-                          "shard_map's varying arrays); on Blackwell use moe.dispatch='capacity' (einsum) for now")
+                          "shard_map's varying arrays); use kernels.expert_gemm='einsum' (auto's choice there)")
     if kernel == "tokamax":
         tensor = max(1, int(cfg.mesh.tensor))
         dims = {"model.d_model": int(cfg.model.d_model), "moe.d_ff_expert": int(cfg.moe.d_ff_expert) // tensor}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import NamedTuple
 
 import jax
@@ -34,6 +36,20 @@ class MoEStats(NamedTuple):
     router_load_E: jax.Array  # fraction of the global batch's tokens routed to each expert (sums to top_k)
     router_prob_E: jax.Array  # mean routing probability of each expert over the global batch (sums to 1)
     dropless_rounds: jax.Array  # receive-window rounds the dropless exchange ran (1: the load fit one window)
+
+
+_EXACT = contextvars.ContextVar("moejax_exact_dispatch", default=False)
+
+
+@contextlib.contextmanager
+def exact_dispatch():
+    """MoE layers traced inside dispatch dropless whatever their config: evaluation must not drop tokens (a capacity
+    run's held-out loss would otherwise depend on the batch's routing). Read at trace time."""
+    token = _EXACT.set(True)
+    try:
+        yield
+    finally:
+        _EXACT.reset(token)
 
 
 class MoE(nnx.Module):
@@ -69,7 +85,8 @@ class MoE(nnx.Module):
             routing.expert_idx_BxLxK.reshape(batch * seq, -1),
             routing.expert_w_BxLxK.reshape(batch * seq, -1),
             self.w_gate_ExDxF[...], self.w_up_ExDxF[...], self.w_down_ExFxD[...], compute_dtype=dt,
-            f32_grad=self.f32_grad, capacity_factor=self.capacity_factor, mode=self.mode, drop_policy=self.drop_policy,
+            f32_grad=self.f32_grad, capacity_factor=self.capacity_factor,
+            mode="dropless" if _EXACT.get() else self.mode, drop_policy=self.drop_policy,
             gemm=self.expert_gemm, dropless_window=self.dropless_window,
         )
         out = shared_BxLxD + routed_TxD.reshape(batch, seq, dim)

@@ -11,6 +11,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from moejax.model.loss import lm_loss, target_mask
+from moejax.model.moe import exact_dispatch
 from moejax.parallel.mesh import batch_sharding
 from moejax.program.optim import apply_learning_rate, lr_schedule
 from moejax.program.state import TrainState
@@ -144,7 +145,9 @@ def train_step(state: TrainState, batch: dict, *, graphdef, tx, schedule, bias_r
 
 
 def eval_step(state: TrainState, batch: dict, *, graphdef):
-    _, (ce, _, _) = _loss(state.params, state.model_state, graphdef, *_unpack(batch))
+    """Held-out cross-entropy, every MoE layer dropless (exact) whatever moe.dispatch trains with."""
+    with exact_dispatch():
+        _, (ce, _, _) = _loss(state.params, state.model_state, graphdef, *_unpack(batch))
     return ce
 
 
