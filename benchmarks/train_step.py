@@ -1,7 +1,9 @@
 """Training-step speed of a config on the emulated CPU mesh (or real devices): step time, tokens/s,
-TFLOP/s per device and MFU, for several mesh layouts measured in one run. Prints a table, writes JSON.
+TFLOP/s per device and MFU, for several mesh layouts and expert-dispatch modes measured in one run (with the
+dropped fraction and the dropless rounds of the last step). Prints a table, writes JSON.
 
-    python benchmarks/train_step.py [--config configs/tiny.py] [--steps 10] [--json benchmarks/results/train_step.json]
+    python benchmarks/train_step.py [--config configs/tiny.py] [--steps 10] [--layouts config,expert8]
+        [--dispatches config,capacity,allgather,dropless] [--json benchmarks/results/train_step.json]
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ def measure(cfg, steps: int, peak: float) -> dict:
     jax.block_until_ready(metrics)
     step_s = (time.perf_counter() - t0) / steps
     tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
-    return {"mesh": sizes, "compile_s": compile_s,
+    moe = {k: float(metrics[k]) for k in ("dropped_fraction", "dropless_rounds") if k in metrics}
+    return {"mesh": sizes, "compile_s": compile_s, "dispatch": cfg.moe.dispatch, **moe,
             **throughput(step_s, tokens_per_step, flops_per_token(cfg), jax.device_count(), peak)}
 
 
@@ -66,23 +69,30 @@ def main():
     ap.add_argument("--config", default="configs/tiny.py")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated subset of: " + ", ".join(LAYOUTS))
+    ap.add_argument("--dispatches", default="config",
+                    help="comma-separated moe.dispatch values to measure (config: the config's own)")
     ap.add_argument("--json", default="benchmarks/results/train_step.json")
     args = ap.parse_args()
     base = runpy.run_path(args.config)["get_config"]()
     peak, peak_source = peak_flops_per_device(base.hardware.peak_tflops)
     rows = []
     for name in args.layouts.split(","):
-        cfg = base.copy_and_resolve_references()
-        if LAYOUTS[name] is not None:
-            cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.expert, cfg.mesh.tensor = LAYOUTS[name]
-        rows.append({"layout": name, **measure(cfg, args.steps, peak)})
+        for dispatch in args.dispatches.split(","):
+            cfg = base.copy_and_resolve_references()
+            if LAYOUTS[name] is not None:
+                cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.expert, cfg.mesh.tensor = LAYOUTS[name]
+            if dispatch != "config":
+                cfg.moe.dispatch = dispatch
+            rows.append({"layout": name, **measure(cfg, args.steps, peak)})
     print(f"{args.config}: {base.train.global_batch} x {base.train.seq_len} tokens/step, "
           f"{flops_per_token(base) / 1e6:.3g} MFLOP/token, {jax.device_count()} x {jax.devices()[0].device_kind}, "
           f"peak {peak / 1e12:.3g} TFLOP/s/dev ({peak_source})")
-    print(f"{'layout':<18}{'step ms':>9}{'tok/s':>9}{'TFLOP/s/dev':>13}{'MFU':>8}{'compile s':>11}")
+    print(f"{'layout':<18}{'dispatch':<11}{'step ms':>9}{'tok/s':>9}{'TFLOP/s/dev':>13}{'MFU':>8}{'compile s':>11}"
+          f"{'dropped':>9}{'rounds':>8}")
     for r in rows:
-        print(f"{r['layout']:<18}{r['step_time_s'] * 1e3:>9.0f}{r['tokens_per_s']:>9.0f}"
-              f"{r['tflops_per_device']:>13.4g}{100 * r['mfu']:>7.1f}%{r['compile_s']:>11.1f}")
+        print(f"{r['layout']:<18}{r['dispatch']:<11}{r['step_time_s'] * 1e3:>9.0f}{r['tokens_per_s']:>9.0f}"
+              f"{r['tflops_per_device']:>13.4g}{100 * r['mfu']:>7.1f}%{r['compile_s']:>11.1f}"
+              f"{100 * r.get('dropped_fraction', 0):>8.1f}%{r.get('dropless_rounds', 1):>8.0f}")
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"config": args.config, "devices": jax.device_count(),

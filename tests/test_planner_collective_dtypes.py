@@ -74,7 +74,9 @@ def test_dry_run_reports_collective_bytes_by_dtype(devices):
     xla, plan = r["xla"]["collective_bytes_by_dtype"], r["plan"]["collective_bytes_by_dtype"]
     assert set(xla["all-to-all"]) == {"f32"} and set(plan["all-to-all"]) == {"bf16"}
     assert xla["all-to-all"]["f32"] == 2 * plan["all-to-all"]["bf16"]  # the 671B dry run's 2x, exactly
-    assert xla["all-reduce"] == {"f32": xla["all-reduce"]["f32"]} and set(plan["all-reduce"]) == {"f32"}
+    # Gradients reduce in f32; beside them only the int32 mesh-wide expert counts (a few hundred bytes).
+    assert set(xla["all-reduce"]) <= {"f32", "s32"} and xla["all-reduce"].get("s32", 0) < 1024, xla["all-reduce"]
+    assert set(plan["all-reduce"]) == {"f32"}
     text = format_report(r)
     assert "(XLA f32, planner bf16)" in text and "float-normalization-bf16" in text, text
     assert r["notes"] and "what a GPU moves" in r["notes"][0]
