@@ -107,7 +107,7 @@ def _einsum_ffn(x_ExCxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD):
 def _tile_weights(w_ExAxB, tile_expert_N):
     """[N, A, B]: each tile's expert's weights. Its transpose sums the tiles' gradients per expert as a one-hot
     matmul (N x E x A x B multiply-adds, small next to the GEMMs) instead of autodiff's scatter-add."""
-    return jnp.take(w_ExAxB, tile_expert_N, axis=0)
+    return jnp.take(w_ExAxB, tile_expert_N, axis=0, mode="clip")  # indices are in range: no masking select
 
 
 def _tile_weights_fwd(w_ExAxB, tile_expert_N):

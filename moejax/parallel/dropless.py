@@ -9,10 +9,10 @@ result-identical dense emulation: XLA:CPU cannot compile the ragged op), the loc
 GEMM over the window, and the outputs go back the same way.
 
 Round 0 always runs. When the mesh-wide largest receive load exceeds R (a hot expert, an untrained router,
-adversarial routing), the rest runs as overflow rounds 1..n-1 in a while loop under a custom VJP that keeps
-only the round's inputs and recomputes each round in the backward: memory of one round whatever the load.
-Compute and bytes follow the load (one window for a step within it, one more per R rows of overload), memory
-is bounded by the window, and no row is ever dropped.
+adversarial routing), the rest runs as overflow rounds of R/4 rows in a while loop under a custom VJP that
+keeps only the rounds' inputs and recomputes each round in the backward: memory of one round whatever the
+load. Compute and bytes follow the load (one window for a step within it, a quarter window more per R/4 rows
+of overload), memory is bounded by the window, and no row is ever dropped.
 """
 
 from __future__ import annotations
@@ -41,6 +41,18 @@ def window_rows(tokens_per_device: int, top_k: int, ep: int, n_local: int, windo
     always suffices and no overflow code is compiled)."""
     worst = worst_case_rows(tokens_per_device, top_k, ep, n_local)
     return max(1, min(worst, math.ceil(window * tokens_per_device * top_k)))
+
+
+def overflow_window_rows(window: int) -> int:
+    """Rows of each overflow round: a quarter of the window (at least 8), so a load a little above the window
+    costs a little more, not a whole second window."""
+    return max(8, -(-window // 4))
+
+
+def rounds_needed(largest_load: int, window: int) -> int:
+    """Rounds a step runs for the mesh-wide largest receive load: round 0, then overflow rounds."""
+    over = max(0, largest_load - window)
+    return 1 + -(-over // overflow_window_rows(window))
 
 
 def tile_rows(window: int, n_local: int) -> int:
@@ -223,13 +235,11 @@ def window_expert_ffn(x_RxD, expert_R, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *
     return combine_rows(y_NxMxD.reshape(n_slots, -1), ones_R.astype(y_NxMxD.dtype), slot_R, src_S)
 
 
-def _round(r, rows_AxD, w_gate, w_up, w_down, ex: Exchange, *, window: int, ep: int, gemm: str, ffn_axis):
-    """Round r: the rows in receive-order positions [r*window, (r+1)*window) of every receiver, through their
-    experts and back. Returns [A, D]: those rows' outputs at their places in the sender's sorted buffer, zero
-    elsewhere."""
+def _round(lo, rows_AxD, w_gate, w_up, w_down, ex: Exchange, *, window: int, ep: int, gemm: str, ffn_axis):
+    """One round: the rows in receive-order positions [lo, lo + window) of every receiver, through their experts
+    and back. Returns [A, D]: those rows' outputs at their places in the sender's sorted buffer, zero elsewhere."""
     n_assign = rows_AxD.shape[0]
     n_local = w_gate.shape[0]
-    lo = r * window
     # Sender: the part of my chunk for device p that falls in p's window.
     a_P = jnp.clip(lo - ex.out_offsets_P, 0, ex.send_sizes_P)
     b_P = jnp.clip(lo + window - ex.out_offsets_P, 0, ex.send_sizes_P)
@@ -257,12 +267,15 @@ def _int_cotangent(x):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _overflow_rounds(static, n_rounds, rows_AxD, w_gate, w_up, w_down, ex: Exchange):
-    """Rounds 1..n_rounds-1 summed (each fills different rows). Memory of one round: the forward keeps only the
-    inputs, the backward recomputes one round at a time."""
-    round_fn = functools.partial(_round, **dict(static))
+    """Overflow rounds 1..n_rounds-1 summed (each fills different rows): round r covers receive-order positions
+    from first + (r - 1) x window. Memory of one round: the forward keeps only the inputs, the backward
+    recomputes one round at a time."""
+    kw = dict(static)
+    first = kw.pop("first")
+    round_fn = functools.partial(_round, **kw)
 
     def body(r, acc):
-        return acc + round_fn(r, rows_AxD, w_gate, w_up, w_down, ex)
+        return acc + round_fn(first + (r - 1) * kw["window"], rows_AxD, w_gate, w_up, w_down, ex)
 
     return jax.lax.fori_loop(1, n_rounds, body, jnp.zeros_like(rows_AxD))
 
@@ -274,10 +287,13 @@ def _overflow_fwd(static, n_rounds, rows_AxD, w_gate, w_up, w_down, ex):
 
 def _overflow_bwd(static, residuals, dy_AxD):
     n_rounds, rows_AxD, w_gate, w_up, w_down, ex = residuals
-    round_fn = functools.partial(_round, **dict(static))
+    kw = dict(static)
+    first = kw.pop("first")
+    round_fn = functools.partial(_round, **kw)
 
     def body(r, grads):
-        _, vjp = jax.vjp(lambda *p: round_fn(r, *p, ex), rows_AxD, w_gate, w_up, w_down)
+        lo = first + (r - 1) * kw["window"]
+        _, vjp = jax.vjp(lambda *p: round_fn(lo, *p, ex), rows_AxD, w_gate, w_up, w_down)
         return tuple(g + d for g, d in zip(grads, vjp(dy_AxD)))
 
     zeros = tuple(jnp.zeros_like(p) for p in (rows_AxD, w_gate, w_up, w_down))
@@ -300,14 +316,17 @@ def dropless_moe(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF, 
     rows_AxD = dispatch_rows(x_TxD, rank_A, order_A, top_k)
     counts_E = jnp.bincount(expert_A, length=n_experts).astype(jnp.int32)
     ex = plan_exchange(counts_E, ep)
-    static = (("window", window), ("ep", ep), ("gemm", gemm), ("ffn_axis", ffn_axis))
-    y_AxD = _round(0, rows_AxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, ex, **dict(static))
+    y_AxD = _round(0, rows_AxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, ex, window=window, ep=ep, gemm=gemm,
+                   ffn_axis=ffn_axis)
     # Every device of the mesh runs the same number of rounds (collectives inside): the largest load decides.
     need = jnp.sum(ex.recv_sizes_P)
     if collective:
         need = jax.lax.pmax(need, BATCH_AXES)
-    n_rounds = (need + window - 1) // window
+    # Overflow rounds take a quarter window each: an overload a little above the window costs a little more.
+    overflow_window = overflow_window_rows(window)
+    n_rounds = 1 + jnp.maximum(need - window + overflow_window - 1, 0) // overflow_window
     if window < worst_case_rows(n_tokens, top_k, ep, n_local):
+        static = (("first", window), ("window", overflow_window), ("ep", ep), ("gemm", gemm), ("ffn_axis", ffn_axis))
         y_AxD = y_AxD + jax.lax.cond(
             n_rounds > 1,
             lambda *a: _overflow_rounds(static, *a),
