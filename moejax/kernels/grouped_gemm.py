@@ -18,6 +18,16 @@ import jax.numpy as jnp
 import numpy as np
 
 
+# tokamax's Mosaic GPU grouped GEMM loads its operands in tiles of 64 along every dimension (a dim of 64 or more must
+# be a multiple: kernels/resolve.py checks the weights', dropless.py rounds the rows it passes).
+TOKAMAX_GEMM_TILE = 64
+
+
+def row_multiple(kernel: str) -> int:
+    """Rows a ragged grouped GEMM's row buffers are a multiple of."""
+    return TOKAMAX_GEMM_TILE if kernel == "tokamax" else 8
+
+
 # tokamax's implementation: its Mosaic GPU kernel. Explicit, so tokamax skips its default-device check, which a
 # deviceless GPU compile (a CPU process) would fail. Tests set "xla" (tokamax's reference, runs on CPU).
 TOKAMAX_IMPLEMENTATION = "mosaic"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 
 from moejax.config.schema import ConfigError
+from moejax.kernels.grouped_gemm import TOKAMAX_GEMM_TILE
 
 KERNEL_FIELDS = ("attention", "expert_gemm", "loss")
 GPU_EXTRA = "pip install 'moejax[gpu]' (Python >= 3.12)"
@@ -74,7 +75,6 @@ def _attention(cfg, platform: str) -> str:
 
 # tokamax's Mosaic GPU grouped GEMM tiles the weights' dims by 64: a dim must be below 64 or a multiple of it
 # (XLA:GPU compile for H200: "dimension 2 must have size smaller or a multiple of its tiling 64").
-TOKAMAX_GEMM_TILE = 64
 
 
 def _expert_gemm(cfg, platform: str, compute_capability: float | None = None) -> str:

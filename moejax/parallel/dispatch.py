@@ -54,10 +54,11 @@ def capacity_per_expert(tokens_per_device: int, top_k: int, n_experts: int, capa
     return max(1, min(tokens_per_device, math.ceil(capacity_factor * balanced)))
 
 
-def _buffer_rows(mode, tokens_per_device, top_k, n_experts, ep, capacity_factor, dropless_window) -> int:
+def _buffer_rows(mode, tokens_per_device, top_k, n_experts, ep, capacity_factor, dropless_window, gemm) -> int:
     """Per-expert slots (capacity, allgather) or the rows of one round's receive window (dropless)."""
     if mode == "dropless":
-        return dropless.window_rows(tokens_per_device, top_k, ep, n_experts // ep, dropless_window)
+        return dropless.window_rows(tokens_per_device, top_k, ep, n_experts // ep, dropless_window,
+                                    grouped_gemm.row_multiple(gemm))
     # allgather: each expert sees the tokens of its whole expert group.
     seen = tokens_per_device * ep if mode == "allgather" else tokens_per_device
     return capacity_per_expert(seen, top_k, n_experts, capacity_factor)
@@ -187,7 +188,7 @@ def routed_experts(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF
     body_fn = _MODES[mode]
     mesh = current_mesh()
     if mesh is None:
-        capacity = _buffer_rows(mode, x_TxD.shape[0], top_k, n_experts, 1, capacity_factor, dropless_window)
+        capacity = _buffer_rows(mode, x_TxD.shape[0], top_k, n_experts, 1, capacity_factor, dropless_window, gemm)
         w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD = (w.astype(dtype) for w in (w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD))
         return body_fn(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD,
                        n_experts=n_experts, ep=1, capacity=capacity, gemm=gemm, drop_policy=drop_policy,
@@ -198,7 +199,7 @@ def routed_experts(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF
     if x_TxD.shape[0] % batch_shards:
         raise ValueError(f"{x_TxD.shape[0]} tokens do not split over {batch_shards} batch shards")
     capacity = _buffer_rows(mode, x_TxD.shape[0] // batch_shards, top_k, n_experts, ep, capacity_factor,
-                            dropless_window)
+                            dropless_window, gemm)
     tokens = P(BATCH_AXES, None)
     # Expert weights enter as stored: split over `expert`, over fsdp on d_model, and over the tensor axis on the
     # FFN dim; inside, they are cast and all-gathered over fsdp (_weights_for_compute). Tokens are replicated over

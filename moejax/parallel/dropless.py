@@ -36,23 +36,21 @@ def worst_case_rows(tokens_per_device: int, top_k: int, ep: int, n_local: int) -
     return ep * tokens_per_device * min(top_k, n_local)
 
 
-def window_rows(tokens_per_device: int, top_k: int, ep: int, n_local: int, window: float) -> int:
-    """Rows of one dropless round: `window` x the balanced load (T*K), at most the worst case (then one round
-    always suffices and no overflow code is compiled)."""
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def window_rows(tokens_per_device: int, top_k: int, ep: int, n_local: int, window: float, multiple: int = 8) -> int:
+    """Rows of round 0: `window` x the balanced load (T*K), at most the worst case (then one round always
+    suffices and no overflow code is compiled), rounded up to `multiple` (the grouped GEMM's row tile)."""
     worst = worst_case_rows(tokens_per_device, top_k, ep, n_local)
-    return max(1, min(worst, math.ceil(window * tokens_per_device * top_k)))
+    return _round_up(max(1, min(worst, math.ceil(window * tokens_per_device * top_k))), multiple)
 
 
-def overflow_window_rows(window: int) -> int:
-    """Rows of each overflow round: a quarter of the window (at least 8), so a load a little above the window
-    costs a little more, not a whole second window."""
-    return max(8, -(-window // 4))
-
-
-def rounds_needed(largest_load: int, window: int) -> int:
-    """Rounds a step runs for the mesh-wide largest receive load: round 0, then overflow rounds."""
-    over = max(0, largest_load - window)
-    return 1 + -(-over // overflow_window_rows(window))
+def overflow_window_rows(window: int, multiple: int = 8) -> int:
+    """Rows of each overflow round: a quarter of the window, rounded up to `multiple`, so a load a little above
+    the window costs a little more, not a whole second window."""
+    return _round_up(-(-window // 4), multiple)
 
 
 def tile_rows(window: int, n_local: int) -> int:
@@ -323,7 +321,7 @@ def dropless_moe(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF, 
     if collective:
         need = jax.lax.pmax(need, BATCH_AXES)
     # Overflow rounds take a quarter window each: an overload a little above the window costs a little more.
-    overflow_window = overflow_window_rows(window)
+    overflow_window = overflow_window_rows(window, grouped_gemm.row_multiple(gemm))
     n_rounds = 1 + jnp.maximum(need - window + overflow_window - 1, 0) // overflow_window
     if window < worst_case_rows(n_tokens, top_k, ep, n_local):
         static = (("first", window), ("window", overflow_window), ("ep", ep), ("gemm", gemm), ("ffn_axis", ffn_axis))
