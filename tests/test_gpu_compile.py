@@ -114,13 +114,24 @@ def test_dropless_receive_buffers_are_the_window_not_the_worst_case(h200_droples
 
 
 @pytest.fixture(scope="module")
-def gb300_dropless():
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    from moejax.planner.dry_run import dry_run
+def gb300_dropless(tmp_path_factory):
+    """Through the CLI in its own process: one process compiles Mosaic GPU kernels for one GPU generation (after
+    an H200 compile, ptxas refuses the sm_103 target)."""
+    import json
+    import subprocess
+    import sys
 
     c = gpu_config("dropless")
-    c.moe.d_ff_expert = DROPLESS_D_FF
-    return dry_run(c, 8, "gb300")
+    flags = {"model.dtype": c.model.dtype, "model.vocab_size": VOCAB, "train.global_batch": BATCH,
+             "train.seq_len": SEQ, "kernels.loss_chunk": CHUNK, "moe.d_ff_expert": DROPLESS_D_FF,
+             "moe.dispatch": "dropless", "mesh.data": 2, "mesh.fsdp": 1, "mesh.expert": 4, "mesh.tensor": 1}
+    work = tmp_path_factory.mktemp("gb300")
+    r = subprocess.run([sys.executable, "-m", "moejax.cli.train", "--config", str(ROOT / "configs/deepseek_v3_small.py"),
+                        *[f"--config.{k}={v}" for k, v in flags.items()], "--dry_run", "--dry_run_target", "gb300",
+                        "--workdir", str(work)], capture_output=True, text=True, cwd=ROOT, timeout=900,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads((work / "dry_run.json").read_text())
 
 
 def test_dropless_on_blackwell_runs_the_tiled_einsum_and_ragged_exchanges(gb300_dropless):

@@ -32,7 +32,8 @@ def _require(hf: dict, key: str):
 
 
 def from_hf_config(hf: dict, base=None):
-    """A moejax config (base's training fields, model/moe fields from the HF config)."""
+    """A moejax config (base's training fields, model/moe fields from the HF config; without a base, dropless
+    dispatch: the imported model computes what transformers' does)."""
     fmt = hf.get("model_type")
     if fmt not in HF_FORMATS:
         raise ConfigError(f"config.json model_type={fmt!r} is not one of {', '.join(HF_FORMATS)}")
@@ -100,7 +101,8 @@ def from_hf_config(hf: dict, base=None):
                 e.d_ff_expert = _require(hf, "moe_intermediate_size")
                 e.norm_topk_prob = bool(hf.get("norm_topk_prob", False))
         e.top_k = _require(hf, "num_experts_per_tok")
-        e.dispatch = "dropless"  # transformers' MoE blocks drop nothing: an imported model computes what they do
+        if base is None:
+            e.dispatch = "dropless"  # transformers' MoE blocks drop nothing: an imported model computes what they do
         if fmt == "mixtral" or fmt == "qwen3_moe":
             e.bias_update_rate = 0.0  # these routers have no selection bias to train or to export
     return cfg

@@ -212,7 +212,8 @@ def _tile_plan(expert_R, n_local: int, tile: int, n_slots: int):
 def window_expert_ffn(x_RxD, expert_R, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, gemm: str, ffn_axis):
     """The local experts' SwiGLU over a window of rows in any order; expert_R == n_local rows come out zero."""
     n_rows, n_local = x_RxD.shape[0], w_gate_ExDxF.shape[0]
-    ones_R = jnp.ones_like(x_RxD[:, :1])  # combine weights of 1; varies like the rows (check_vma)
+    # Outputs go back to window order by dispatch_rows through the inverse permutation: a gather both ways that,
+    # unlike a weighted combine, keeps no copy of the outputs for the backward.
     if gemm in ("ragged_dot", "tokamax"):
         # Rows sorted by expert, one ragged grouped GEMM over the window: the kernel skips no row, pads none.
         order_R = jnp.argsort(expert_R, stable=True).astype(jnp.int32)
@@ -221,7 +222,7 @@ def window_expert_ffn(x_RxD, expert_R, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *
         sizes_L = jnp.bincount(expert_R, length=n_local + 1)[:n_local].astype(jnp.int32)
         y_RxD = grouped_gemm.ragged_expert_ffn(sorted_RxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, sizes_L,
                                                kernel=gemm, ffn_axis=ffn_axis)
-        return combine_rows(y_RxD, ones_R.astype(y_RxD.dtype), rank_R, order_R)
+        return dispatch_rows(y_RxD, order_R, rank_R, 1)
     # einsum: block-diagonal tiles (megablox-style), each expert's rows padded to whole tiles, so the work is the
     # window plus under one tile per expert, not every expert padded to the window.
     tile = tile_rows(n_rows, n_local)
@@ -230,7 +231,7 @@ def window_expert_ffn(x_RxD, expert_R, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *
     x_NxMxD = dispatch_rows(x_RxD, slot_R, src_S, 1).reshape(n_slots // tile, tile, -1)
     y_NxMxD = grouped_gemm.tiled_expert_ffn(x_NxMxD, tile_expert_N, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD,
                                             ffn_axis=ffn_axis)
-    return combine_rows(y_NxMxD.reshape(n_slots, -1), ones_R.astype(y_NxMxD.dtype), slot_R, src_S)
+    return dispatch_rows(y_NxMxD.reshape(n_slots, -1), src_S, slot_R, 1)
 
 
 def _round(lo, rows_AxD, w_gate, w_up, w_down, ex: Exchange, *, window: int, ep: int, gemm: str, ffn_axis):

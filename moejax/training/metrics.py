@@ -77,6 +77,8 @@ def console_line(m: dict, total_steps: int) -> str:
             f"{_si(m['tokens_per_s'])} tok/s | {tf:.3g} TFLOP/s/dev | MFU {100 * m['mfu']:.1f}% | eta {eta}")
     if "expert_imbalance" in m:
         line += f" | imb {m['expert_imbalance']:.2f} drop {100 * m['dropped_fraction']:.1f}%"
+        if m.get("dropless_rounds", 1) > 1:
+            line += f" rounds {int(m['dropless_rounds'])}"
     if "eval_loss" in m:
         line += f" | eval {m['eval_loss']:.3f}"
     return line
