@@ -150,7 +150,8 @@ def assumptions(topo: Topology, efficiency: float, domain_size: int, cfg=None, *
         "GPU over its own NIC); expert all-to-all and tensor all-reduces are not overlapped with compute, fsdp "
         "gathers and gradient sums are overlapped and only their excess over compute shows",
         "dispatch bytes: capacity = E x C x D per exchange; dropless = the device's T x K routed rows (GPU ragged "
-        "path); 4 exchanges per MoE layer per pass, 6 with recompute",
+        "path; buffers of the receive window, moe.dropless_window x T x K rows); 4 exchanges per MoE layer per "
+        "pass, 6 with recompute",
         "memory: the train state at its sharded size (params and AdamW moments in model.param_dtype) plus the "
         "larger of two phases: the backward (one gradient tree, the residuals the remat policy saves for one "
         "micro-batch, the largest layer's gathered weights and unreduced gradients, and the larger transient: one "
@@ -160,5 +161,6 @@ def assumptions(topo: Topology, efficiency: float, domain_size: int, cfg=None, *
         "micro-batch below the per-device batch means gradient accumulation: run it with "
         "train.micro_batches = per-device batch / micro-batch (each pass re-gathers fsdp weights)",
         "not modelled: pipeline parallelism, FP8 GEMMs, communication/computation overlap inside the MoE layer "
-        "(DualPipe-style), load imbalance across experts, stragglers",
+        "(DualPipe-style), load imbalance across experts (dropless overflow rounds of steps whose load exceeds "
+        "the window), stragglers",
     ]
