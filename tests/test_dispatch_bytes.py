@@ -75,11 +75,11 @@ def dropless_moe_program(devices, platform):
 def test_dropless_gpu_lowering_moves_only_routed_rows_within_the_window(devices):
     """Lowered for GPU (no GPU needed to lower), dropless moves each device's T*K routed rows with
     ragged_all_to_all into receive buffers of the window (1.25 x T*K here, not the worst case ep x T x
-    min(K, E_local)): round 0's two, and the overflow rounds' two inside their while loop. Every other
+    min(K, E_local)): round 0's two, and the overflow rounds' two (a quarter window) inside their while loop. Every other
     collective carries int32 metadata (counts, offsets, the mesh-wide largest load)."""
     import re
 
-    from moejax.parallel.dropless import window_rows, worst_case_rows
+    from moejax.parallel.dropless import overflow_window_rows, window_rows, worst_case_rows
 
     text, c = dropless_moe_program(devices, "cuda")
     tokens, ep = BATCH * SEQ // 8, MESH["expert"]
@@ -87,9 +87,14 @@ def test_dropless_gpu_lowering_moves_only_routed_rows_within_the_window(devices)
     window = window_rows(tokens, K, ep, E // ep, c.dropless_window)
     assert window == 40 < worst_case_rows(tokens, K, ep, E // ep) == 128
     ragged = re.findall(r"custom_call @ragged_all_to_all\(.*?\) \{.*?\} : \((tensor<[^>]+>), (tensor<[^>]+>)", text)
-    there, back = (f"tensor<{routed_rows}x{D}xf32>", f"tensor<{window}x{D}xf32>"), (f"tensor<{window}x{D}xf32>",
-                                                                                  f"tensor<{routed_rows}x{D}xf32>")
-    assert sorted(ragged) == sorted([there, back, there, back])
+    overflow = overflow_window_rows(window)
+    assert overflow == 16  # a quarter window, rounded up to 8 rows
+
+    def trip(rows):  # the rows' way there and back
+        return [(f"tensor<{routed_rows}x{D}xf32>", f"tensor<{rows}x{D}xf32>"),
+                (f"tensor<{rows}x{D}xf32>", f"tensor<{routed_rows}x{D}xf32>")]
+
+    assert sorted(ragged) == sorted(trip(window) + trip(overflow))
     others = re.findall(r'"stablehlo.(?:all_to_all|all_reduce|all_gather)"\(%\w+\).*?: \((tensor<[^>]+>)\)', text)
     assert others and all(t.endswith("xi32>") or t == "tensor<i32>" for t in others), others
 
@@ -98,12 +103,13 @@ def test_dropless_cpu_emulation_moves_at_most_the_chosen_chunks(devices):
     """XLA:CPU runs the exchange as a dense all_to_all of per-pair chunks padded to one of a few static sizes
     (the smallest that holds the step's largest send): each row exchange moves ep x chunk rows, chunk from
     emulation_chunks, plus int32 metadata."""
-    from moejax.parallel.dropless import emulation_chunks, window_rows
+    from moejax.parallel.dropless import emulation_chunks, overflow_window_rows, window_rows
 
     hlo, c = dropless_moe_program(devices, "cpu")
     tokens, ep = BATCH * SEQ // 8, MESH["expert"]
     window = window_rows(tokens, K, ep, E // ep, c.dropless_window)
-    allowed = {ep * chunk * D * 4 for n_rows, out_rows in ((tokens * K, window), (window, tokens * K))
+    trips = [(tokens * K, rows) for rows in (window, overflow_window_rows(window))]  # round 0, overflow rounds
+    allowed = {ep * chunk * D * 4 for trip in trips for n_rows, out_rows in (trip, trip[::-1])
                for chunk in emulation_chunks(n_rows, out_rows, ep)}
     row_moves = [cl for cl in collectives(hlo) if dict(cl.by_dtype).get("f32", 0) > 0]
     assert row_moves and all(cl.kind == "all-to-all" and cl.bytes in allowed for cl in row_moves), row_moves

@@ -17,10 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
-# tokamax's Mosaic GPU grouped GEMM loads its operands in tiles of 64 along every dimension (a dim of 64 or more must
-# be a multiple: kernels/resolve.py checks the weights', dropless.py rounds the rows it passes).
-TOKAMAX_GEMM_TILE = 64
+from moejax.kernels.resolve import TOKAMAX_GEMM_TILE
 
 
 def row_multiple(kernel: str) -> int:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib.util
 
 from moejax.config.schema import ConfigError
-from moejax.kernels.grouped_gemm import TOKAMAX_GEMM_TILE
 
 KERNEL_FIELDS = ("attention", "expert_gemm", "loss")
 GPU_EXTRA = "pip install 'moejax[gpu]' (Python >= 3.12)"
@@ -73,8 +72,11 @@ def _attention(cfg, platform: str) -> str:
     return kernel
 
 
-# tokamax's Mosaic GPU grouped GEMM tiles the weights' dims by 64: a dim must be below 64 or a multiple of it
-# (XLA:GPU compile for H200: "dimension 2 must have size smaller or a multiple of its tiling 64").
+# tokamax's Mosaic GPU grouped GEMM loads its operands in tiles of 64 along every dimension: a weight dim must be
+# below 64 or a multiple of it (XLA:GPU compile for H200: "dimension 2 must have size smaller or a multiple of its
+# tiling 64"); dropless.py rounds the rows it passes (grouped_gemm.row_multiple). Here, not in grouped_gemm: this
+# module is imported without jax.
+TOKAMAX_GEMM_TILE = 64
 
 
 def _expert_gemm(cfg, platform: str, compute_capability: float | None = None) -> str:
