@@ -67,7 +67,7 @@ class Exchange(NamedTuple):
     out_offsets_P: jax.Array  # where my rows start in device p's receive order
     recv_offsets_P: jax.Array  # where source p's rows start in my receive order
     recv_sizes_P: jax.Array  # how many rows source p sends me
-    recv_counts_PxL: jax.Array  # of which, for each of my local experts
+    recv_ends_PxL: jax.Array  # cumulative rows of source p's chunk per local expert (its rows are sorted by expert)
     return_offsets_P: jax.Array  # where source p keeps my rows in its sorted buffer (its input offset for me)
 
 
@@ -88,8 +88,8 @@ def plan_exchange(counts_E, ep: int) -> Exchange:
     recv_P = recv_counts_PxL.sum(axis=1)
     recv_offsets_P = _excl_cumsum(recv_P)
     out_offsets_P, return_offsets_P = _swap(jnp.stack([recv_offsets_P, input_offsets_P]).T, ep).T
-    return Exchange(input_offsets_P, send_P, out_offsets_P, recv_offsets_P, recv_P, recv_counts_PxL,
-                    return_offsets_P)
+    recv_ends_PxL = jnp.cumsum(recv_counts_PxL, axis=1)
+    return Exchange(input_offsets_P, send_P, out_offsets_P, recv_offsets_P, recv_P, recv_ends_PxL, return_offsets_P)
 
 
 def _emulated_ragged_all_to_all(rows_NxD, input_offsets, send_sizes, output_offsets, recv_sizes, out_rows: int,
@@ -249,12 +249,11 @@ def _round(lo, rows_AxD, w_gate, w_up, w_down, ex: Exchange, *, window: int, ep:
     there = Moves(ex.input_offsets_P + a_P, b_P - a_P, ex.out_offsets_P + a_P - lo, d_P - c_P)
     back = Moves(ex.recv_offsets_P + c_P - lo, d_P - c_P, ex.return_offsets_P + c_P, b_P - a_P)
     x_WxD = _exchange(rows_AxD, there, back, window, ep)
-    # Each window row's local expert: source p's rows are sorted by expert with recv_counts_PxL[p].
+    # Each window row's local expert: source p's rows are sorted by expert, ending at recv_ends_PxL[p].
     g_W = lo + jnp.arange(window, dtype=jnp.int32)
     source_W = jnp.clip(jnp.searchsorted(ex.recv_offsets_P, g_W, side="right") - 1, 0, ep - 1)
     pos_W = g_W - ex.recv_offsets_P[source_W]
-    ends_PxL = jnp.cumsum(ex.recv_counts_PxL, axis=1)
-    expert_W = jnp.sum(pos_W[:, None] >= ends_PxL[source_W], axis=1).astype(jnp.int32)
+    expert_W = jnp.sum(pos_W[:, None] >= ex.recv_ends_PxL[source_W], axis=1).astype(jnp.int32)
     expert_W = jnp.where(pos_W < ex.recv_sizes_P[source_W], expert_W, n_local)
     y_WxD = window_expert_ffn(x_WxD, expert_W, w_gate, w_up, w_down, gemm=gemm, ffn_axis=ffn_axis)
     return _exchange(y_WxD, back, there, n_assign, ep)
@@ -264,17 +263,19 @@ def _int_cotangent(x):
     return np.zeros(x.shape, dtype=jax.dtypes.float0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _overflow_rounds(static, n_rounds, rows_AxD, w_gate, w_up, w_down, ex: Exchange):
-    """Overflow rounds 1..n_rounds-1 summed (each fills different rows): round r covers receive-order positions
-    from first + (r - 1) x window. Memory of one round: the forward keeps only the inputs, the backward
-    recomputes one round at a time."""
+def _overflow_round(static, r, *round_args):
+    """Overflow round r >= 1: receive-order positions from first + (r - 1) x window."""
     kw = dict(static)
     first = kw.pop("first")
-    round_fn = functools.partial(_round, **kw)
+    return _round(first + (r - 1) * kw["window"], *round_args, **kw)
 
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _overflow_rounds(static, n_rounds, rows_AxD, w_gate, w_up, w_down, ex: Exchange):
+    """Overflow rounds 1..n_rounds-1 summed (each fills different rows). Memory of one round: the forward keeps only
+    the inputs, the backward recomputes one round at a time."""
     def body(r, acc):
-        return acc + round_fn(first + (r - 1) * kw["window"], rows_AxD, w_gate, w_up, w_down, ex)
+        return acc + _overflow_round(static, r, rows_AxD, w_gate, w_up, w_down, ex)
 
     return jax.lax.fori_loop(1, n_rounds, body, jnp.zeros_like(rows_AxD))
 
@@ -286,13 +287,9 @@ def _overflow_fwd(static, n_rounds, rows_AxD, w_gate, w_up, w_down, ex):
 
 def _overflow_bwd(static, residuals, dy_AxD):
     n_rounds, rows_AxD, w_gate, w_up, w_down, ex = residuals
-    kw = dict(static)
-    first = kw.pop("first")
-    round_fn = functools.partial(_round, **kw)
 
     def body(r, grads):
-        lo = first + (r - 1) * kw["window"]
-        _, vjp = jax.vjp(lambda *p: round_fn(lo, *p, ex), rows_AxD, w_gate, w_up, w_down)
+        _, vjp = jax.vjp(lambda *p: _overflow_round(static, r, *p, ex), rows_AxD, w_gate, w_up, w_down)
         return tuple(g + d for g, d in zip(grads, vjp(dy_AxD)))
 
     zeros = tuple(jnp.zeros_like(p) for p in (rows_AxD, w_gate, w_up, w_down))
@@ -317,14 +314,15 @@ def dropless_moe(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF, 
     ex = plan_exchange(counts_E, ep)
     y_AxD = _round(0, rows_AxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, ex, window=window, ep=ep, gemm=gemm,
                    ffn_axis=ffn_axis)
-    # Every device of the mesh runs the same number of rounds (collectives inside): the largest load decides.
-    need = jnp.sum(ex.recv_sizes_P)
-    if collective:
-        need = jax.lax.pmax(need, BATCH_AXES)
-    # Overflow rounds take a quarter window each: an overload a little above the window costs a little more.
-    overflow_window = overflow_window_rows(window, grouped_gemm.row_multiple(gemm))
-    n_rounds = 1 + jnp.maximum(need - window + overflow_window - 1, 0) // overflow_window
+    n_rounds = jnp.int32(1)  # a window of the worst case always suffices: no overflow code, no pmax
     if window < worst_case_rows(n_tokens, top_k, ep, n_local):
+        # Every device of the mesh runs the same number of rounds (collectives inside): the largest load decides.
+        need = jnp.sum(ex.recv_sizes_P)
+        if collective:
+            need = jax.lax.pmax(need, BATCH_AXES)
+        # Overflow rounds take a quarter window each: an overload a little above the window costs a little more.
+        overflow_window = overflow_window_rows(window, grouped_gemm.row_multiple(gemm))
+        n_rounds = 1 + jnp.maximum(need - window + overflow_window - 1, 0) // overflow_window
         static = (("first", window), ("window", overflow_window), ("ep", ep), ("gemm", gemm), ("ffn_axis", ffn_axis))
         y_AxD = y_AxD + jax.lax.cond(
             n_rounds > 1,
@@ -332,4 +330,4 @@ def dropless_moe(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF, 
             lambda n, rows, *_: jnp.zeros_like(rows),
             n_rounds, rows_AxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, ex)
     out_TxD = combine_rows(y_AxD, expert_w_TxK, rank_A, order_A)
-    return out_TxD, counts_E, jnp.maximum(n_rounds, 1)
+    return out_TxD, counts_E, n_rounds
