@@ -113,25 +113,27 @@ def test_dropless_receive_buffers_are_the_window_not_the_worst_case(h200_droples
     assert 1.0 <= plan / xla < 1.3, (plan, xla)
 
 
-@pytest.fixture(scope="module")
-def gb300_dropless(tmp_path_factory):
-    """Through the CLI in its own process: one process compiles Mosaic GPU kernels for one GPU generation (after
-    an H200 compile, ptxas refuses the sm_103 target)."""
+def _gb300_dry_run_in_own_process(work, **extra):
+    """The gpu_config('dropless') shape dry-run for GB300 through the CLI in its own process: one process compiles
+    Mosaic GPU kernels for one GPU generation (after an H200 compile, ptxas refuses the sm_103 target)."""
     import json
     import subprocess
     import sys
 
-    c = gpu_config("dropless")
-    flags = {"model.dtype": c.model.dtype, "model.vocab_size": VOCAB, "train.global_batch": BATCH,
-             "train.seq_len": SEQ, "kernels.loss_chunk": CHUNK, "moe.d_ff_expert": DROPLESS_D_FF,
-             "moe.dispatch": "dropless", "mesh.data": 2, "mesh.fsdp": 1, "mesh.expert": 4, "mesh.tensor": 1}
-    work = tmp_path_factory.mktemp("gb300")
+    flags = {"model.dtype": "bfloat16", "model.vocab_size": VOCAB, "train.global_batch": BATCH, "train.seq_len": SEQ,
+             "kernels.loss_chunk": CHUNK, "moe.d_ff_expert": DROPLESS_D_FF, "moe.dispatch": "dropless",
+             "mesh.data": 2, "mesh.fsdp": 1, "mesh.expert": 4, "mesh.tensor": 1, **extra}
     r = subprocess.run([sys.executable, "-m", "moejax.cli.train", "--config", str(ROOT / "configs/deepseek_v3_small.py"),
                         *[f"--config.{k}={v}" for k, v in flags.items()], "--dry_run", "--dry_run_target", "gb300",
                         "--workdir", str(work)], capture_output=True, text=True, cwd=ROOT, timeout=900,
                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads((work / "dry_run.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def gb300_dropless(tmp_path_factory):
+    return _gb300_dry_run_in_own_process(tmp_path_factory.mktemp("gb300"))
 
 
 def test_dropless_on_blackwell_runs_the_tiled_einsum_and_ragged_exchanges(gb300_dropless):
@@ -276,3 +278,66 @@ def test_tokamax_grouped_gemm_inside_shard_map_equals_lax_ragged_dot(weights, mo
     np.testing.assert_allclose(out, ref, rtol=1e-5)
     for a, b in zip(out_g, ref_g):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+
+def _dots_with_shapes(hlo: str) -> list[tuple[str, str]]:
+    """(lhs 'dtype[dims]', rhs 'dtype[dims]') of every dot in a compiled program."""
+    import re
+
+    shape_of = {}
+    for line in hlo.splitlines():
+        if m := re.match(r"\s*(?:ROOT )?(%[\w.\-]+) = (\w+\[[0-9,]*\])", line):
+            shape_of[m[1]] = m[2]
+    return [(shape_of.get(m[1], "?"), shape_of.get(m[2], "?"))
+            for m in re.finditer(r"= \w+\[[^\]]*\]\S* dot\((%[\w.\-]+), (%[\w.\-]+)\)", hlo)]
+
+
+@pytest.fixture(scope="module")
+def h200_fp8():
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    from moejax.planner.dry_run import dry_run
+
+    c = gpu_config("dropless")
+    c.model.fp8 = "blockwise"
+    return dry_run(c, 8, "h200", keep_hlo=True)
+
+
+def test_blockwise_fp8_on_hopper_runs_e4m3_gemms_for_projections_and_experts_only(h200_fp8):
+    """model.fp8='blockwise' on 8 H200s: the projections and the expert GEMMs (forward and both backward GEMMs,
+    round 0 and the dropless overflow rounds) are dots of e4m3 x e4m3 into f32 (Triton GEMM fusions); the only
+    other dots are the LM head's (vocab wide, chunked loss), the router's (f32) and the MLA core's."""
+    r = h200_fp8
+    assert r["kernels"]["expert_gemm"] == "einsum" and "gemms=fp8 blockwise" in r["kernels_line"]
+    dots = _dots_with_shapes(r["hlo"])
+    fp8 = [d for d in dots if d[0].startswith("f8e4m3fn") and d[1].startswith("f8e4m3fn")]
+    assert len(fp8) >= 80, len(fp8)  # 87 measured 2026-12-03
+    others = [d for d in dots if d not in fp8]
+    d_ff = DROPLESS_D_FF
+    assert not [d for d in others if any(str(d_ff) in s.split("[")[1] or f",{D_FF_EXPERT}]" in s for s in d)], others
+    assert not [d for d in others if d[0].startswith("f8") != d[1].startswith("f8")], others  # no mixed dots
+    # what remains runs in bf16 / f32: the LM head (vocab wide), the router and attention internals
+    assert all(s.split("[")[0] in ("bf16", "f32") for d in others for s in d), others
+
+
+@pytest.fixture(scope="module")
+def gb300_mxfp8(tmp_path_factory):
+    return _gb300_dry_run_in_own_process(tmp_path_factory.mktemp("gb300_mxfp8"), **{"model.fp8": "mxfp8"})
+
+
+def test_mxfp8_on_blackwell_asks_for_block_scaled_gemms(gb300_mxfp8):
+    """model.fp8='mxfp8' on GB300s: every FP8 GEMM reaches XLA as `jax.nn.scaled_matmul` (e4m3 operands, E8M0
+    scales per 32 elements): inside the dispatch shard_map (the expert GEMMs) directly as XLA's block-scaled dot
+    custom call, which XLA:GPU gives to cuDNN on Blackwell; the GSPMD projections through jax's custom
+    partitioning of scaled_matmul, lowered per device once partitioned. Deviceless, XLA expands them into
+    dequantise + dot (the cuDNN block-scaled fusion and the partitioner's lowering need a GPU backend), so the
+    assertion is on the lowered program: the FP8 GEMMs are there with exactly those operand types."""
+    r = gb300_mxfp8
+    assert r["kernels"]["expert_gemm"] == "einsum" and "gemms=fp8 mxfp8" in r["kernels_line"]
+    calls = r["xla"]["lowered_custom_calls"]
+    block_scaled = "f8E4M3FN, f8E4M3FN, f8E8M0FNU, f8E8M0FNU"
+    assert set(calls["__op$block_scaled_dot"]) == {block_scaled}, calls
+    # the expert GEMMs (3 forward + 6 backward per dropless round body, scan and loop bodies counted once)
+    assert calls["__op$block_scaled_dot"][block_scaled] >= 9, calls  # 10 measured 2026-12-03
+    # the projections (attention, dense and shared FFNs, MTP): 35 measured 2026-12-03
+    assert calls["CustomSPMDPartitioning"].get(block_scaled, 0) >= 30, calls

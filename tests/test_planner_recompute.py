@@ -77,3 +77,18 @@ def test_deepseek_v3_671b_dots_recomputes_core_attention_and_routed_experts():
     assert 1.18 < dots < 1.26 and 1.29 < full < 4 / 3, (dots, full)
     # Capacity dispatch pads the routed experts' GEMMs (capacity factor), a larger recomputed share.
     assert recompute_factor(cfg, "dots", dispatch="capacity") > dots
+
+
+def test_flop_count_takes_the_branch_the_gpu_program_runs():
+    """lax.platform_dependent (e.g. MXFP8's GEMM: cuDNN's block-scaled dot on GPUs, qwix's dequantise-then-dot
+    elsewhere) counts its CUDA branch, not its largest one; a plain cond counts its largest."""
+    import jax
+    import jax.numpy as jnp
+
+    from moejax.planner.recompute import matmul_flops
+
+    x = jnp.ones((4, 4))
+    chosen = jax.make_jaxpr(lambda x: jax.lax.platform_dependent(x, cpu=lambda x: x @ x @ x, default=lambda x: x @ x))(x)
+    assert matmul_flops(chosen.jaxpr) == 2 * 4**3
+    cond = jax.make_jaxpr(lambda p, x: jax.lax.cond(p, lambda x: x @ x @ x, lambda x: x @ x, x))(True, x)
+    assert matmul_flops(cond.jaxpr) == 2 * 2 * 4**3

@@ -5,7 +5,7 @@
       DeepSeek FP8 block-scaled weights are dequantised). DIR gets config.json + weights/ (orbax), usable by
       `moejax-convert export` and by training (`--config.checkpoint.init_from=DIR`). Training fields (mesh,
       optimizer, dispatch ...) come from --config; model fields from HF_DIR/config.json.
-  moejax-convert export --from DIR --hf_dir OUT [--packed_experts] [--dtype bfloat16] [--max_shard_gb 5]
+  moejax-convert export --from DIR --hf_dir OUT [--packed_experts] [--dtype bfloat16|float8_e4m3fn] [--max_shard_gb 5]
       Writes OUT/config.json + model-0000i-of-0000n.safetensors + model.safetensors.index.json.
   moejax-convert check --hf_dir HF_DIR [--json]
       Reads only headers: checks every tensor name and shape against the config and prints the model.
@@ -36,7 +36,9 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--from", dest="src", required=True)
     exp.add_argument("--hf_dir", required=True)
     exp.add_argument("--packed_experts", action="store_true", help="transformers-5 packed expert tensors")
-    exp.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    exp.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16", "float8_e4m3fn"),
+                     help="float8_e4m3fn: DeepSeek-V3's FP8 release layout (e4m3 projections with 128x128 "
+                          "weight_scale_inv blocks, the rest bf16)")
     exp.add_argument("--max_shard_gb", type=float, default=5.0)
     chk = sub.add_parser("check", help="check an HF checkpoint's names and shapes (headers only)")
     chk.add_argument("--hf_dir", required=True)

@@ -32,6 +32,7 @@ MAY_CHANGE: dict[str, tuple[frozenset[Continuation], str]] = {
     "model.dtype": (_BOTH, "compute dtype; parameters stay in param_dtype"),
     "model.remat": (_BOTH, "what the backward pass recomputes, not what is computed"),
     "model.grad_reduce_dtype": (_BOTH, "precision of the gradient reductions, not of the weights"),
+    "model.fp8": (_BOTH, "precision of the GEMMs' inputs; weights and optimizer state stay f32, same shapes"),
     "model.param_dtype": (_INIT_FROM, "imported weights are cast; a resumed state keeps its saved dtype"),
     "model.init_std": (_INIT_FROM, "initialisation only; imported weights replace it"),
     "model.max_seq_len": (_INIT_FROM, "an upper bound checked against train.seq_len; no weight depends on it"),

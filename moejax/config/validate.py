@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from moejax.config.schema import (ATTENTION_KERNELS, ATTENTION_KINDS, DISPATCH_MODES, DROP_POLICIES, DTYPES,
-                                  EXPERT_GEMM_KERNELS, LOSS_KERNELS, MESH_AXES, REMAT_POLICIES, ROPE_SCALINGS,
+                                  EXPERT_GEMM_KERNELS, FP8_FORMATS, LOSS_KERNELS, MESH_AXES, REMAT_POLICIES, ROPE_SCALINGS,
                                   SCORE_FUNCS, ConfigError)
 
 
@@ -89,6 +89,7 @@ def validate(cfg, n_devices: int) -> dict[str, int]:
         raise ConfigError(f"moe.dropless_window={e.dropless_window} must be > 0 (rows received per dropless round, "
                           "x the balanced load; larger loads run more rounds, nothing is dropped)")
     _check_choice("model.grad_reduce_dtype", m.grad_reduce_dtype, DTYPES)
+    _check_choice("model.fp8", m.fp8, FP8_FORMATS)
     k = cfg.kernels
     _check_choice("kernels.attention", k.attention, ATTENTION_KERNELS)
     _check_choice("kernels.expert_gemm", k.expert_gemm, EXPERT_GEMM_KERNELS)

@@ -25,7 +25,8 @@ from flax import nnx
 from moejax.config import ConfigError
 from moejax.interop.hf_config import from_hf_config, to_hf_config
 from moejax.interop.hf_names import Link, Piece, hf_links, known_duplicates, zero_initialised
-from moejax.interop.safetensors_io import CheckpointFormatError, SafetensorsDir, ShardedWriter
+from moejax.interop.safetensors_io import FP8_BLOCK, CheckpointFormatError, SafetensorsDir, ShardedWriter
+from moejax.kernels.fp8 import quantize_weight_blocks
 from moejax.model.transformer import Transformer
 
 STACKED_ROOTS = ("dense_layers", "moe_layers")
@@ -220,9 +221,34 @@ def _piece_array(leaves: dict, piece: Piece) -> np.ndarray:
     return np.asarray(jax.device_get(arr[index] if index else arr), dtype=np.float32)
 
 
+# DeepSeek-V3's FP8 release: these linear weights are e4m3 with a `weight_scale_inv` per 128 x 128 block; the
+# embedding, norms, router gate, LM head and MTP projection stay bf16.
+FP8_PROJECTIONS = ("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj",
+                   "down_proj")
+FP8_EXPORT = "float8_e4m3fn"
+
+
+def _is_fp8_projection(name: str) -> bool:
+    return name.endswith(".weight") and name.split(".")[-2] in FP8_PROJECTIONS
+
+
+def fp8_weight_blocks(w_OxI: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """DeepSeek's FP8 checkpoint layout of one [out, in] weight: (e4m3 values, f32 `weight_scale_inv`
+    [ceil(out / 128), ceil(in / 128)]), value x scale_inv of its block = the weight to e4m3 precision. Quantised
+    by qwix (kernels/fp8.py, the training recipe's 128 x 128 weight blocks)."""
+    q = quantize_weight_blocks(jnp.asarray(w_OxI, jnp.float32)[None])
+    values = np.asarray(q.qvalue[0, :, : w_OxI.shape[1]])
+    block_rows = min(FP8_BLOCK, w_OxI.shape[0])  # the scale is repeated over each block's rows
+    return values, np.asarray(q.scale[0, ::block_rows], np.float32)
+
+
 def save_hf(model, cfg, out_dir, *, packed_experts: bool = False, dtype: str = "float32",
             max_shard_bytes: int = 5 * 2**30):
     """Writes config.json and safetensors shards for `model` into out_dir (created; must not hold a model).
+
+    dtype 'float8_e4m3fn' writes DeepSeek's FP8 layout (DeepSeek-V3 family only, per-expert tensors): the
+    projection weights in e4m3 with 128 x 128 block `weight_scale_inv`, everything else bf16, and the
+    `quantization_config` DeepSeek's config.json carries. load_hf reads it back (dequantising the blocks).
 
     Shards are written as `*.partial` and renamed at the end, so an interrupted export never looks complete.
     """
@@ -230,6 +256,13 @@ def save_hf(model, cfg, out_dir, *, packed_experts: bool = False, dtype: str = "
     if out.exists() and any(out.glob("*.safetensors")):
         raise ConfigError(f"{out} already holds safetensors files; export into a new directory")
     hf_config = to_hf_config(cfg)
+    fp8 = dtype == FP8_EXPORT
+    if fp8 and (hf_config["model_type"] != "deepseek_v3" or packed_experts):
+        raise ConfigError("--dtype float8_e4m3fn writes DeepSeek-V3's FP8 checkpoint layout: a deepseek_v3 model with "
+                          "per-expert tensors (drop --packed_experts)")
+    if fp8:
+        hf_config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                            "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
     _, params, rest = nnx.split(model, nnx.Param, ...)
     leaves = {**_flat_variables(params), **_flat_variables(rest)}
     if hf_config["model_type"] != "deepseek_v3":
@@ -238,7 +271,7 @@ def save_hf(model, cfg, out_dir, *, packed_experts: bool = False, dtype: str = "
             raise ConfigError(f"the router selection bias is non-zero but {hf_config['model_type']} has none; "
                               "train with moe.bias_update_rate=0 to export to this format")
     out.mkdir(parents=True, exist_ok=True)
-    writer = ShardedWriter(out, max_shard_bytes=max_shard_bytes, dtype=jnp.dtype(dtype))
+    writer = ShardedWriter(out, max_shard_bytes=max_shard_bytes, dtype=jnp.dtype("bfloat16" if fp8 else dtype))
     links = hf_links(cfg, packed_experts=packed_experts)
     by_name: dict[str, list[Link]] = defaultdict(list)
     for link in links:
@@ -246,6 +279,11 @@ def save_hf(model, cfg, out_dir, *, packed_experts: bool = False, dtype: str = "
     duplicates = known_duplicates(cfg)
     for name, group in by_name.items():
         tensors = [np.asarray(l.to_hf(tuple(_piece_array(leaves, p) for p in l.pieces))) for l in group]
+        if fp8 and _is_fp8_projection(name):
+            values, scale_inv = fp8_weight_blocks(tensors[0])
+            writer.add(name, values, dtype=jnp.float8_e4m3fn)
+            writer.add(name.replace(".weight", ".weight_scale_inv"), scale_inv, dtype=np.float32)
+            continue
         writer.add(name, np.stack(tensors) if group[0].hf_expert is not None else tensors[0])
         if name.endswith("eh_proj.weight"):  # DeepSeek's MTP layer carries its own copies of embed and head
             prefix = name[: -len("eh_proj.weight")]

@@ -110,8 +110,9 @@ class ShardedWriter:
         self._shards: list[list[str]] = []
         self._total = 0
 
-    def add(self, name: str, array: np.ndarray):
-        array = np.ascontiguousarray(np.asarray(array).astype(self.dtype))
+    def add(self, name: str, array: np.ndarray, dtype=None):
+        """Queue a tensor, cast to the writer's dtype (or `dtype`: an FP8 weight and its f32 block scales)."""
+        array = np.ascontiguousarray(np.asarray(array).astype(self.dtype if dtype is None else np.dtype(dtype)))
         if self._pending and self._pending_bytes + array.nbytes > self.max_shard_bytes:
             self._flush()
         self._pending.append((name, array))

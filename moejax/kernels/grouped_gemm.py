@@ -17,7 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax.kernels import fp8
 from moejax.kernels.resolve import TOKAMAX_GEMM_TILE
+from moejax.kernels.varying import cotangent as _cotangent
+from moejax.kernels.varying import mark_varying as _mark_varying
+from moejax.kernels.varying import varying as _varying
 
 
 def row_multiple(kernel: str) -> int:
@@ -43,26 +47,6 @@ def _tokamax_weight_grad(x_RxD, dy_RxF, group_sizes_E):
     dims = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])),
                                              lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
     return tokamax.ragged_dot_general(x_RxD, dy_RxF, group_sizes_E, dims, implementation=TOKAMAX_IMPLEMENTATION)
-
-
-def _varying(x) -> frozenset:
-    return jax.typeof(x).manual_axis_type.varying
-
-
-def _mark_varying(y, axes):
-    """y typed as varying over `axes`. Inside shard_map, tokamax's Mosaic GPU kernels return arrays typed as
-    varying over no mesh axis although each device computed its own; only used inside the custom VJP below,
-    where this mark is never transposed (so it implies no reduction)."""
-    missing = tuple(sorted(frozenset(axes) - _varying(y)))
-    return jax.lax.pcast(y, missing, to="varying") if missing else y
-
-
-def _cotangent(ct, varies_over, primal):
-    """A cotangent that truly varies over `varies_over`, summed over the axes the primal is invariant on (the
-    transpose of the implicit broadcast that used the primal there) and typed like the primal."""
-    ct = _mark_varying(ct, varies_over)
-    extra = tuple(sorted(_varying(ct) - _varying(primal)))
-    return jax.lax.psum(ct, extra) if extra else ct
 
 
 @jax.custom_vjp
@@ -97,6 +81,8 @@ def _ragged_dot_fn(kernel: str):
 def ragged_expert_ffn(x_RxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, group_sizes_E, *, kernel: str, ffn_axis=None):
     """SwiGLU FFN over rows sorted by expert, expert e owning the next group_sizes_E[e] rows; rows past
     the groups come out zero. ffn_axis as in expert_ffn."""
+    if fp8.active() != "none":  # resolve.py refuses this combination before anything compiles
+        raise ValueError(f"expert GEMM kernel {kernel!r} has no FP8 path; FP8 expert GEMMs use kernel 'einsum'")
     dot = _ragged_dot_fn(kernel)
     gate_RxF = dot(x_RxD, w_gate_ExDxF, group_sizes_E)
     up_RxF = dot(x_RxD, w_up_ExDxF, group_sizes_E)
@@ -105,15 +91,16 @@ def ragged_expert_ffn(x_RxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, group_sizes
 
 
 def _einsum_ffn(x_ExCxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD):
-    gate_ExCxF = jnp.einsum("ecd,edf->ecf", x_ExCxD, w_gate_ExDxF)
-    up_ExCxF = jnp.einsum("ecd,edf->ecf", x_ExCxD, w_up_ExDxF)
-    return jnp.einsum("ecf,efd->ecd", jax.nn.silu(gate_ExCxF) * up_ExCxF, w_down_ExFxD)
+    gate_ExCxF = fp8.einsum("ecd,edf->ecf", x_ExCxD, w_gate_ExDxF)
+    up_ExCxF = fp8.einsum("ecd,edf->ecf", x_ExCxD, w_up_ExDxF)
+    return fp8.einsum("ecf,efd->ecd", jax.nn.silu(gate_ExCxF) * up_ExCxF, w_down_ExFxD)
 
 
 @jax.custom_vjp
 def _tile_weights(w_ExAxB, tile_expert_N):
     """[N, A, B]: each tile's expert's weights. Its transpose sums the tiles' gradients per expert as a one-hot
-    matmul (N x E x A x B multiply-adds, small next to the GEMMs) instead of autodiff's scatter-add."""
+    matmul (N x E x A x B multiply-adds: E_local / tile rows of the GEMMs' own work) instead of autodiff's
+    scatter-add."""
     return jnp.take(w_ExAxB, tile_expert_N, axis=0, mode="clip")  # indices are in range: no masking select
 
 

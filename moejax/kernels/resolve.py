@@ -79,9 +79,32 @@ def _attention(cfg, platform: str) -> str:
 TOKAMAX_GEMM_TILE = 64
 
 
+def _fp8(cfg, platform: str, compute_capability: float | None) -> str:
+    """model.fp8 checked against the platform: FP8 tensor cores from compute capability 8.9 (blockwise e4m3),
+    block-scaled MXFP8 GEMMs from 10.0 (Blackwell). On CPU both run emulated by XLA (tests, numerics)."""
+    fmt = cfg.model.get("fp8", "none")
+    if fmt == "none":
+        return fmt
+    if platform not in ("cpu", "gpu"):
+        raise ConfigError(f"model.fp8={fmt!r} targets NVIDIA GPUs (and CPU emulation); the mesh's devices are {platform}")
+    need = {"blockwise": 8.9, "mxfp8": 10.0}[fmt]
+    if platform == "gpu" and compute_capability is not None and compute_capability < need:
+        raise ConfigError(f"model.fp8={fmt!r} needs compute capability >= {need} (FP8 tensor cores"
+                          f"{', block-scaled: Blackwell' if fmt == 'mxfp8' else ''}); these GPUs are "
+                          f"{compute_capability}: use " + ("model.fp8='blockwise' or " if compute_capability >= 8.9
+                                                           else "") + "model.fp8='none'")
+    return fmt
+
+
 def _expert_gemm(cfg, platform: str, compute_capability: float | None = None) -> str:
     kernel = cfg.kernels.expert_gemm
     ragged = cfg.moe.dispatch == "dropless"
+    if cfg.model.get("fp8", "none") != "none":
+        # FP8 expert GEMMs are qwix-quantised einsums (kernels/fp8.py); the ragged kernels take no FP8 here.
+        if kernel in ("tokamax", "ragged_dot"):
+            raise ConfigError(f"kernels.expert_gemm={kernel!r} with model.fp8={cfg.model.fp8!r}: the FP8 expert GEMM is "
+                              "the einsum one (qwix); use kernels.expert_gemm='einsum' or 'auto'")
+        return "einsum"
     if kernel == "auto":
         # Capacity and allgather buffers are [E_local, C, D] with equal groups: a batched GEMM (cuBLAS on GPU)
         # is the grouped GEMM, with no wasted work. Dropless groups are ragged: on GPU a grouped-GEMM kernel.
@@ -136,6 +159,7 @@ def resolve_kernels(cfg, platform: str | None = None, compute_capability: float 
     None: jax's default backend) and, for GPUs, their compute capability when known."""
     platform = _platform(platform)
     loss = cfg.kernels.loss
+    _fp8(cfg, platform, compute_capability)
     return {"attention": _attention(cfg, platform),
             "expert_gemm": _expert_gemm(cfg, platform, compute_capability),
             "loss": "chunked" if loss == "auto" else loss}
@@ -165,5 +189,6 @@ def apply_kernels(cfg, platform: str, compute_capability: float | None = None) -
 def describe(cfg, platform: str, asked: dict | None = None) -> str:
     parts = [f"{k}={cfg.kernels[k]}" + (" (auto)" if asked and asked[k] == "auto" else "")
              for k in KERNEL_FIELDS]
-    return f"kernels on {_platform(platform)}: " + ", ".join(parts)
+    fmt = cfg.model.get("fp8", "none")
+    return f"kernels on {_platform(platform)}: " + ", ".join(parts) + (f", gemms=fp8 {fmt}" if fmt != "none" else "")
 

@@ -21,6 +21,11 @@ def _kv_heads(m) -> int:
 
 def _attention_macs_per_token(m, seq_len: int) -> float:
     """Forward multiply-adds per token of one attention layer (projections + causal core)."""
+    return sum(_attention_macs_split(m, seq_len))
+
+
+def _attention_macs_split(m, seq_len: int) -> tuple[float, float]:
+    """(projections, causal core) forward multiply-adds per token of one attention layer."""
     if m.attention == "mla":
         qk_head = m.qk_nope_head_dim + m.qk_rope_head_dim
         if m.q_lora_rank:
@@ -31,11 +36,11 @@ def _attention_macs_per_token(m, seq_len: int) -> float:
               + m.d_model * m.qk_rope_head_dim)
         o = m.n_heads * m.v_head_dim * m.d_model
         core = seq_len * m.n_heads * qk_head / 2 + seq_len * m.n_heads * m.v_head_dim / 2
-        return q + kv + o + core
+        return q + kv + o, core
     q_o = 2 * m.d_model * m.n_heads * m.head_dim
     k_v = 2 * m.d_model * _kv_heads(m) * m.head_dim
     core = seq_len * m.n_heads * m.head_dim / 2 * 2  # QK^T and PV, causal half each
-    return q_o + k_v + core
+    return q_o + k_v, core
 
 
 def macs_per_token(cfg, seq_len: int) -> float:
@@ -49,6 +54,20 @@ def macs_per_token(cfg, seq_len: int) -> float:
     heads = (1 + m.mtp_depth) * m.d_model * m.vocab_size
     return (n_layers * _attention_macs_per_token(m, seq_len) + m.first_k_dense * dense_ffn
             + n_moe * moe_ffn + mtp_extra + heads)
+
+
+def fp8_macs_fraction(cfg, seq_len: int) -> float:
+    """The share of macs_per_token that model.fp8 runs in FP8: the attention projections, dense / shared / routed
+    FFNs and the MTP projection; not the attention core, the LM heads or the counted norms. 0 without FP8."""
+    m, e = cfg.model, cfg.moe
+    if m.get("fp8", "none") == "none":
+        return 0.0
+    n_layers = m.n_layers + m.mtp_depth
+    proj, _ = _attention_macs_split(m, seq_len)
+    fp8 = (n_layers * proj + m.first_k_dense * 3 * m.d_model * m.d_ff
+           + (n_layers - m.first_k_dense) * 3 * m.d_model * e.d_ff_expert * (e.top_k + e.n_shared_experts)
+           + m.mtp_depth * 2 * m.d_model * m.d_model)
+    return fp8 / macs_per_token(cfg, seq_len)
 
 
 def flops_per_token(cfg, seq_len: int | None = None) -> float:

@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from moejax.kernels import fp8
+
 # Stacked (scanned) layers get this logical name on their new leading dim.
 LAYERS_AXIS_METADATA = {nnx.PARTITION_NAME: "layers", "logical_axes": "layers"}
 
@@ -43,7 +45,12 @@ def project(spec: str, x, w, *, f32_grad: bool = True):
     gradient is computed with f32 output: its sums over the batch shards (GSPMD's reduce-scatter / all-reduce
     over data and fsdp, inserted right after this dot) then run in f32, where plain autodiff would reduce bf16
     partial gradients and round each partial sum. The activation gradient stays in the compute dtype.
+
+    Inside `fp8.gemms_in(fmt)` (the model's body with model.fp8 set) the GEMM and both of its backward GEMMs
+    read FP8 inputs (moejax/kernels/fp8.py); the weight gradient is then always accumulated and returned in f32.
     """
+    if fp8.active() != "none":
+        return fp8.fp8_einsum(spec, x, w, fp8.active())
     if not f32_grad or w.dtype == x.dtype:
         return jnp.einsum(spec, x, w.astype(x.dtype))
     return _project_f32_grad(spec, x, w)

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from moejax.kernels import fp8
 from moejax.kernels.resolve import model_kernels
 from moejax.model.attention import make_attention
 from moejax.model.layers import LAYERS_AXIS_METADATA, MLP, Embed, RMSNorm, dtype_of, grads_in_f32, param, project
@@ -136,6 +137,7 @@ class Transformer(nnx.Module):
         pdt = dtype_of(m.param_dtype)
         self.dtype = dtype_of(m.dtype)
         self.f32_grad = grads_in_f32(m)
+        self.fp8 = m.get("fp8", "none")  # model.fp8: the body's projections and expert GEMMs (kernels/fp8.py)
         self.remat = m.remat
         # The loss kernel lm_loss runs over this model's LM head (kernels.loss; moejax/kernels/cross_entropy.py).
         self.loss_kernel = model_kernels(cfg)["loss"]
@@ -174,7 +176,12 @@ class Transformer(nnx.Module):
         return ModelOutput(self.logits(out.h_BxLxD), mtp_logits, out.stats)
 
     def hidden(self, tokens_BxL, segment_ids_BxL=None) -> HiddenOutput:
-        """The forward pass up to (not including) the LM head: what the loss kernels (model/loss.py) read."""
+        """The forward pass up to (not including) the LM head: what the loss kernels (model/loss.py) read. With
+        model.fp8 its projections and expert GEMMs read FP8 inputs; the head (logits) stays in the compute dtype."""
+        with fp8.gemms_in(self.fp8):
+            return self._hidden(tokens_BxL, segment_ids_BxL)
+
+    def _hidden(self, tokens_BxL, segment_ids_BxL=None) -> HiddenOutput:
         batch, seq = tokens_BxL.shape
         if segment_ids_BxL is None:
             positions_BxL = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))

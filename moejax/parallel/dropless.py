@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.kernels import grouped_gemm
+from moejax.kernels import fp8, grouped_gemm
 from moejax.parallel.mesh import BATCH_AXES, EXPERT_AXIS
 from moejax.parallel.routing_plan import combine_rows, dispatch_rows
 
@@ -264,10 +264,12 @@ def _int_cotangent(x):
 
 
 def _overflow_round(static, r, *round_args):
-    """Overflow round r >= 1: receive-order positions from first + (r - 1) x window."""
+    """Overflow round r >= 1: receive-order positions from first + (r - 1) x window. The FP8 format the forward
+    was traced with is part of `static`: the backward re-traces the round outside the model's `fp8.gemms_in`."""
     kw = dict(static)
-    first = kw.pop("first")
-    return _round(first + (r - 1) * kw["window"], *round_args, **kw)
+    first, fmt = kw.pop("first"), kw.pop("fp8")
+    with fp8.gemms_in(fmt):
+        return _round(first + (r - 1) * kw["window"], *round_args, **kw)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -323,7 +325,8 @@ def dropless_moe(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF, 
         # Overflow rounds take a quarter window each: an overload a little above the window costs a little more.
         overflow_window = overflow_window_rows(window, grouped_gemm.row_multiple(gemm))
         n_rounds = 1 + jnp.maximum(need - window + overflow_window - 1, 0) // overflow_window
-        static = (("first", window), ("window", overflow_window), ("ep", ep), ("gemm", gemm), ("ffn_axis", ffn_axis))
+        static = (("first", window), ("window", overflow_window), ("ep", ep), ("gemm", gemm), ("ffn_axis", ffn_axis),
+                  ("fp8", fp8.active()))
         y_AxD = y_AxD + jax.lax.cond(
             n_rounds > 1,
             lambda *a: _overflow_rounds(static, *a),

@@ -1,7 +1,8 @@
 """What a compiled program runs, read from its HLO text: custom-call targets (cuDNN attention, Mosaic GPU and
 Triton kernels, cuBLAS GEMMs) and fusion kinds (XLA:GPU's kLoop / kInput / kOutput, and kCustom fusions named
 by their backend kind, e.g. Triton GEMMs), each with its count as it appears in the text (a scan body once).
-Also the array shapes the program holds, for tests that assert a buffer does not exist."""
+Also the operand element types of every dot (f8e4m3fn x f8e4m3fn: an FP8 GEMM) and the array shapes the program
+holds, for tests that assert a buffer does not exist."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from collections import Counter
 _CUSTOM_CALL = re.compile(r'custom_call_target="(?P<target>[^"]+)"')
 _FUSION = re.compile(r"\bfusion\(.*?kind=(?P<kind>k\w+)")
 _BACKEND_KIND = re.compile(r'"kind":"(?P<kind>[^"]+)"')
+_DEFINITION = re.compile(r"^\s*(?:ROOT )?(?P<name>%[\w.\-]+) = (?P<dtype>\w+)\[")
+_DOT = re.compile(r"= \w+\[[^\]]*\]\S* dot\((?P<lhs>%[\w.\-]+), (?P<rhs>%[\w.\-]+)\)")
 _ARRAY = re.compile(r"\b(?P<dtype>pred|[suf]\d+|bf16|f8e\w+)\[(?P<dims>[0-9,]*)\]")
 
 
@@ -25,7 +28,32 @@ def kernel_inventory(hlo_text: str) -> dict[str, dict[str, int]]:
             if kind == "kCustom" and (b := _BACKEND_KIND.search(line)):
                 kind = f"{kind}:{b['kind']}"
             fusions[kind] += 1
-    return {"custom_calls": dict(calls.most_common()), "fusions": dict(fusions.most_common())}
+    return {"custom_calls": dict(calls.most_common()), "fusions": dict(fusions.most_common()),
+            "dots": dot_operand_types(hlo_text)}
+
+
+def dot_operand_types(hlo_text: str) -> dict[str, int]:
+    """{'lhs x rhs' element types: count} over the program's dot instructions (inside GEMM fusions too)."""
+    dtype_of = {}
+    for line in hlo_text.splitlines():
+        if m := _DEFINITION.match(line):
+            dtype_of[m["name"]] = m["dtype"]
+    dots = Counter(f"{dtype_of.get(m['lhs'], '?')} x {dtype_of.get(m['rhs'], '?')}" for m in _DOT.finditer(hlo_text))
+    return dict(dots.most_common())
+
+
+_TENSOR_ELEMENT = re.compile(r"tensor<(?:[0-9?]+x)*(\w+)>")
+_LOWERED_CALL = re.compile(r"stablehlo\.custom_call @(?P<target>[\w$.\-]+)\((?P<args>[^)]*)\).*?: \((?P<types>[^)]*)\)")
+
+
+def lowered_custom_calls(stablehlo_text: str) -> dict[str, dict[str, int]]:
+    """{target: {'operand types': count}} of the custom calls in a lowered (StableHLO) program: what jax asked
+    XLA for, before XLA's passes rewrite or expand them."""
+    calls: dict[str, Counter] = {}
+    for m in _LOWERED_CALL.finditer(stablehlo_text):
+        types = ", ".join(_TENSOR_ELEMENT.findall(m["types"]))
+        calls.setdefault(m["target"], Counter())[types] += 1
+    return {t: dict(c.most_common()) for t, c in sorted(calls.items())}
 
 
 def array_shapes(hlo_text: str) -> set[tuple[str, tuple[int, ...]]]:

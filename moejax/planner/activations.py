@@ -76,7 +76,9 @@ def trace_config(cfg, *, remat: str, dispatch: str | None = None, platform: str 
         c.model.remat = remat
         if dispatch:
             c.moe.dispatch = dispatch
-        ragged_on_gpu = c.moe.dispatch == "dropless" and platform in ("gpu", "tpu")
+        # (FP8 expert GEMMs are einsums on every platform: kernels/resolve.py)
+        ragged_on_gpu = (c.moe.dispatch == "dropless" and platform in ("gpu", "tpu")
+                         and c.model.get("fp8", "none") == "none")
         if c.kernels.expert_gemm == "auto" or c.kernels.expert_gemm == "tokamax":
             c.kernels.expert_gemm = "ragged_dot" if ragged_on_gpu else "einsum"
         # The trace runs in this (CPU) process: a fused GPU attention kernel is traced as XLA's attention with

@@ -23,7 +23,7 @@ from moejax.config import validate
 from moejax.model.accounting import flops_per_token
 from moejax.kernels.resolve import KERNEL_FIELDS, apply_kernels, devices_compute_capability, devices_platform
 from moejax.parallel.hlo_collectives import bytes_by_dtype, collectives
-from moejax.parallel.hlo_kernels import kernel_inventory
+from moejax.parallel.hlo_kernels import kernel_inventory, lowered_custom_calls
 from moejax.parallel.mesh import batch_sharding, make_mesh
 from moejax.parallel.topology import TOPOLOGIES, get_topology
 from moejax.planner.comm import buffer_bytes_by_link, step_traffic
@@ -67,7 +67,8 @@ def dry_run(cfg, n_devices: int, target: str | None = None, *, keep_hlo: bool = 
     batch = {"tokens": rows, "segment_ids": rows}
     start = time.perf_counter()
     with compiling, jax.set_mesh(mesh):
-        compiled = jit_train_step(cfg, model_graphdef(cfg), tx, mesh, shardings).lower(state, batch).compile()
+        lowered = jit_train_step(cfg, model_graphdef(cfg), tx, mesh, shardings).lower(state, batch)
+        compiled = lowered.compile()
     compile_s = time.perf_counter() - start
 
     mem = compiled.memory_analysis()
@@ -116,6 +117,8 @@ def dry_run(cfg, n_devices: int, target: str | None = None, *, keep_hlo: bool = 
                 "output_bytes": mem.output_size_in_bytes, "alias_bytes": mem.alias_size_in_bytes,
                 "temp_bytes": mem.temp_size_in_bytes, "flops": float(cost.get("flops", 0.0)),
                 "kernels": kernel_inventory(hlo),
+                # what jax asked XLA for, before XLA's passes (e.g. block-scaled FP8 dots it may expand)
+                "lowered_custom_calls": lowered_custom_calls(lowered.as_text()),
                 "collective_bytes": hlo_kinds, "collective_bytes_by_dtype": xla_dtypes,
                 "collective_bytes_by_link": hlo_links},
         "plan": {"memory_bytes": predicted_mem.total, "memory": predicted_mem.to_dict(),
@@ -159,7 +162,9 @@ def format_report(r: dict) -> str:
     if "kernels" in x:
         calls = ", ".join(f"{t} x{n}" for t, n in x["kernels"]["custom_calls"].items()) or "none"
         fusions = ", ".join(f"{t} x{n}" for t, n in x["kernels"]["fusions"].items()) or "none"
-        lines += [f"  custom calls (as in the text): {calls}", f"  fusions: {fusions}"]
+        dots = ", ".join(f"{t} x{n}" for t, n in x["kernels"].get("dots", {}).items()) or "none"
+        lines += [f"  custom calls (as in the text): {calls}", f"  fusions: {fusions}",
+                  f"  dot operand types (lhs x rhs): {dots}"]
     if r.get("collectives"):
         lines.append(f"  {'collective':20s} {'dtype':>10s} {'group':>6s} {'MB each':>10s} {'x/step':>7s}  op")
         for c in sorted(r["collectives"], key=lambda c: -c["bytes"] * c["count"]):

@@ -1,8 +1,10 @@
 """Step time, throughput and TFLOP/s of a layout on a topology, and the ranked search over layouts.
 
 Time model (every assumption is listed by `assumptions()` and printed with the results):
-  compute   model FLOPs (Megatron-Core convention, plan's tokens) x recompute factor / (bf16 peak x efficiency);
-            the recompute factor of each remat policy is traced from the step (planner/recompute.py)
+  compute   model FLOPs (Megatron-Core convention, plan's tokens) x recompute factor / (peak x efficiency), the
+            peak being the fp8 one for the share of FLOPs model.fp8 runs in FP8 (accounting.fp8_macs_fraction)
+            and the bf16 one for the rest; the recompute factor of each remat policy is traced from the step
+            (planner/recompute.py)
   exposed   expert all-to-all and tensor all-reduces sit on the critical path (the next matmul needs
             them); fsdp gathers and gradient sums overlap with compute and only their excess shows
   links     wire bytes of hierarchical collectives (comm.wire_bytes) over per-GPU NVLink / NIC bandwidth
@@ -13,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moejax.config import REMAT_POLICIES, ConfigError, validate
-from moejax.model.accounting import flops_per_token
+from moejax.model.accounting import flops_per_token, fp8_macs_fraction
 from moejax.parallel.topology import Topology
 from moejax.planner.comm import buffer_bytes_by_link, step_traffic, wire_bytes
 from moejax.planner.layout import Layout
@@ -79,7 +81,8 @@ def predict(cfg, topo: Topology, layout: Layout, *, efficiency: float, domain_si
     tokens_per_step = t.global_batch * seq
     model_flops = flops_per_token(cfg, seq) * tokens_per_step / n
     recompute = recompute_factor(cfg, layout.remat, dispatch=layout.dispatch, seq_len=seq)
-    compute_s = model_flops * recompute / (topo.peak_bf16 * efficiency)
+    fp8_share = fp8_macs_fraction(cfg, seq)
+    compute_s = model_flops * recompute * ((1 - fp8_share) / topo.peak_bf16 + fp8_share / topo.peak_fp8) / efficiency
     exposed = critical_s + max(0.0, overlap_s - compute_s)
     step_s = compute_s + exposed
     tokens_per_s = tokens_per_step / step_s / n
@@ -137,6 +140,14 @@ def _recompute_text(cfg, remats, dispatches) -> str:
             + ")")
 
 
+def _fp8_text(cfg, topo: Topology, efficiency: float) -> str:
+    share = fp8_macs_fraction(cfg, int(cfg.train.seq_len))
+    return (f"fp8 ({cfg.model.fp8}): {share:.1%} of the model FLOPs (projections, dense/shared/routed FFNs, MTP "
+            f"projection) at {efficiency:.0%} of the fp8 dense peak {topo.peak_fp8 / 1e12:.0f} TFLOP/s, the rest "
+            "(attention core, LM heads) at the bf16 peak; memory and dispatch bytes unchanged (moejax saves the "
+            "bf16 inputs for the backward and re-quantises them, and dispatches bf16 rows)")
+
+
 def assumptions(topo: Topology, efficiency: float, domain_size: int, cfg=None, *, remats=REMAT_POLICIES,
                 dispatches=None) -> list[str]:
     return [
@@ -146,6 +157,7 @@ def assumptions(topo: Topology, efficiency: float, domain_size: int, cfg=None, *
         f"NVLink domain used: {domain_size} GPUs (expert x tensor inside one domain, fsdp then data across)",
         f"compute: model FLOPs (Megatron-Core convention) at {efficiency:.0%} of the bf16 dense peak, times "
         + _recompute_text(cfg, remats, dispatches),
+        *([_fp8_text(cfg, topo, efficiency)] if cfg is not None and cfg.model.get("fp8", "none") != "none" else []),
         "communication: NCCL-style hierarchical collectives (ring inside the domain, then 1/n_in of the data per "
         "GPU over its own NIC); expert all-to-all and tensor all-reduces are not overlapped with compute, fsdp "
         "gathers and gradient sums are overlapped and only their excess over compute shows",
@@ -160,7 +172,10 @@ def assumptions(topo: Topology, efficiency: float, domain_size: int, cfg=None, *
         "(gradients and their clipped copy); no allocator fragmentation or NCCL buffers",
         "micro-batch below the per-device batch means gradient accumulation: run it with "
         "train.micro_batches = per-device batch / micro-batch (each pass re-gathers fsdp weights)",
-        "not modelled: pipeline parallelism, FP8 GEMMs, communication/computation overlap inside the MoE layer "
+        "not modelled: pipeline parallelism, "
+        + ("FP8 GEMMs (model.fp8=none), " if cfg is None or cfg.model.get("fp8", "none") == "none" else
+           "FP8 GEMMs below the fp8 peak's efficiency (qwix's blockwise dot runs K/128 GEMMs of depth 128), ")
+        + "communication/computation overlap inside the MoE layer "
         "(DualPipe-style), load imbalance across experts (dropless overflow rounds of steps whose load exceeds "
         "the window), stragglers",
     ]

@@ -61,10 +61,24 @@ def _subjaxprs(eqn):
                 yield v
 
 
+def _gpu_branch(platform_index_eqn) -> int:
+    """The branch lax.platform_dependent takes when compiling for CUDA."""
+    platforms = platform_index_eqn.params["platforms"]  # e.g. (('cpu',), None): None is the default branch
+    for i, names in enumerate(platforms):
+        if names is not None and "cuda" in names:
+            return i
+    return platforms.index(None)
+
+
 def matmul_flops(jaxpr) -> int:
-    """Matmul FLOPs of one run of a jaxpr: scans times their length, cond its largest branch."""
+    """Matmul FLOPs of one run of a jaxpr as compiled for GPUs: scans times their length, a cond its largest
+    branch, a lax.platform_dependent choice its CUDA branch."""
     total = 0
+    platform_choice = {}  # outvar of a platform_index -> the branch the GPU program takes
     for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "platform_index":
+            platform_choice[eqn.outvars[0]] = _gpu_branch(eqn)
+            continue
         flops = _matmul_flops(eqn)
         if flops is not None:
             total += flops
@@ -73,7 +87,9 @@ def matmul_flops(jaxpr) -> int:
         if not subs:
             continue
         if eqn.primitive.name == "cond":
-            total += max(subs)
+            index = eqn.invars[0]
+            chosen = platform_choice.get(index) if isinstance(index, jcore.Var) else None
+            total += subs[chosen] if chosen is not None else max(subs)
         elif eqn.primitive.name == "while":
             continue  # data-dependent trip count: dropless overflow rounds, which a step within its window skips
         else:
@@ -95,7 +111,13 @@ def _step_flops(cfg_json: str, seq_len: int) -> int:
 def step_flops(cfg, remat: str, *, dispatch: str | None = None, platform: str = "gpu", seq_len: int | None = None) -> int:
     """Matmul FLOPs of one sequence's forward + backward under `remat` (what the hardware runs)."""
     seq = int(cfg.train.seq_len if seq_len is None else seq_len)
-    c = trace_config(cfg, remat=remat, dispatch=dispatch, platform=platform)
+    # FP8 changes no GEMM's FLOPs: the ratio is the model's, traced without FP8 (with it, the expert GEMMs would be
+    # the tiled einsum, whose padding and one-hot weight-gradient sum at this trace's expert parallelism 1 say
+    # nothing of the layout's recompute ratio).
+    no_fp8 = cfg.copy_and_resolve_references()
+    with no_fp8.unlocked():
+        no_fp8.model.fp8 = "none"
+    c = trace_config(no_fp8, remat=remat, dispatch=dispatch, platform=platform)
     # The attention math as the model defines it: a flash kernel's own recompute inside its backward is the
     # kernel's cost, not the remat policy's (trace_config's flash_residuals stand-in is for memory).
     c.kernels.attention = "xla"

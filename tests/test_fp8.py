@@ -1,0 +1,270 @@
+"""FP8 training GEMMs (model.fp8; moejax/kernels/fp8.py): quantisation equal to references written from the papers'
+definitions, every GEMM's error inside the bound its scaling implies, the model on a mesh equal to one device, and
+the platform / combination errors."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from moejax.config import ConfigError, default_config, validate
+from moejax.kernels import fp8
+from moejax.kernels.resolve import resolve_kernels
+
+E4M3_UNIT_ROUNDOFF = 2.0 ** -4  # 3 mantissa bits: a normal value rounds within half an ulp, 2^-4 relative
+E4M3_SUBNORMAL_HALF_SPACING = 2.0 ** -10  # subnormals are spaced 2^-9 (in units of the scale)
+TINY_SCALE = np.sqrt(np.finfo(np.float32).tiny)  # an all-zero tile keeps scale 1 (qwix)
+# amax / 448 as XLA computes it: its algebraic simplifier turns a division by a constant into a multiplication by
+# the f32 reciprocal (at most 1 ulp from the division; the values are then divided by that same scale).
+INV_448 = np.float32(1.0) / np.float32(448.0)
+
+
+def _tiles(a_RxK, tile):
+    """[R, K] -> [R, T, tile], zero-padded to whole tiles."""
+    rows, k = a_RxK.shape
+    padded = -(-k // tile) * tile
+    return np.pad(a_RxK, ((0, 0), (0, padded - k))).reshape(rows, padded // tile, tile)
+
+
+def reference_blockwise_rows(a_RxK):
+    """DeepSeek-V3 (arXiv 2412.19437, 3.3.1): per 1 x 128 tile (the whole row when K <= 128), scale = amax / 448,
+    value = e4m3(x / scale). Returns (values, per-element scale), both [R, K] float32."""
+    tile = min(128, a_RxK.shape[1])
+    t = _tiles(a_RxK.astype(np.float32), tile)
+    scale = np.max(np.abs(t), axis=2, keepdims=True) * INV_448
+    scale = np.where(scale < TINY_SCALE, np.float32(1.0), scale).astype(np.float32)
+    q = (t / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    full = lambda v: np.broadcast_to(v, t.shape).reshape(t.shape[0], -1)[:, : a_RxK.shape[1]]  # noqa: E731
+    return full(q), full(scale)
+
+
+def reference_blockwise_weight(w_CxK):
+    """DeepSeek-V3 weights: one scale per 128 x 128 block, amax / 448."""
+    c, k = w_CxK.shape
+    tc, tk = min(128, c), min(128, k)
+    pc, pk = -(-c // tc) * tc, -(-k // tk) * tk
+    b = np.pad(w_CxK.astype(np.float32), ((0, pc - c), (0, pk - k))).reshape(pc // tc, tc, pk // tk, tk)
+    scale = np.max(np.abs(b), axis=(1, 3), keepdims=True) * INV_448
+    scale = np.where(scale < TINY_SCALE, np.float32(1.0), scale).astype(np.float32)
+    q = (b / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    full = lambda v: np.broadcast_to(v, b.shape).reshape(pc, pk)[:c, :k]  # noqa: E731
+    return full(q), full(scale)
+
+
+def reference_mxfp8_rows(a_RxK):
+    """MXFP8 as NVIDIA trains with it (arXiv 2506.08027, OCP MX blocks of 32): scale = 2^ceil(log2(amax / 448)),
+    an E8M0 power of two rounded up so no value saturates; value = e4m3(x / scale). The exponent is taken exactly
+    with frexp (amax / 448 = m 2^e, m in [0.5, 1): ceil(log2) = e - 1 when m == 0.5, else e)."""
+    t = _tiles(a_RxK.astype(np.float32), 32)
+    ratio = np.max(np.abs(t), axis=2, keepdims=True) * INV_448
+    ratio = np.where(ratio < TINY_SCALE, np.float32(1.0), ratio).astype(np.float32)
+    mantissa, exponent = np.frexp(ratio)
+    scale = np.ldexp(np.float32(1.0), np.where(mantissa == 0.5, exponent - 1, exponent)).astype(np.float32)
+    q = (t / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    full = lambda v: np.broadcast_to(v, t.shape).reshape(t.shape[0], -1)[:, : a_RxK.shape[1]]  # noqa: E731
+    return full(q), full(scale)
+
+
+def _hard_rows(rng, rows, k):
+    """Normal rows with a spread of magnitudes, an all-zero row, and a row whose amax / 448 is a power of two."""
+    a = rng.standard_normal((rows, k)).astype(np.float32) * np.float32(2.0) ** rng.integers(-12, 6, (rows, 1))
+    a[1] = 0.0
+    a[2, 0] = 56.0  # 56 / 448 = 2^-3
+    a[2, 1:] = np.clip(a[2, 1:], -50, 50)
+    return a.astype(np.float32)
+
+
+@pytest.mark.parametrize("k", [96, 256, 200])  # one short tile; whole tiles; a zero-padded last tile
+def test_blockwise_activation_tiles_equal_the_reference(k):
+    a = _hard_rows(np.random.default_rng(k), 6, k)
+    q = fp8.quantize_rows(jnp.asarray(a)[None], "blockwise")
+    values, scale = reference_blockwise_rows(a)
+    got_values = np.asarray(q.qvalue[0].astype(jnp.float32))[:, :k]
+    got_scale = np.repeat(np.asarray(q.scale[0]), min(128, k), axis=1)[:, :k]
+    assert q.qvalue.dtype == jnp.float8_e4m3fn
+    np.testing.assert_array_equal(got_values, values)
+    np.testing.assert_array_equal(got_scale, scale)
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (200, 72), (64, 300)])
+def test_blockwise_weight_blocks_equal_the_reference(shape):
+    w = _hard_rows(np.random.default_rng(sum(shape)), *shape) * np.float32(0.01)
+    q = fp8.quantize_weight_blocks(jnp.asarray(w)[None])
+    values, scale = reference_blockwise_weight(w)
+    k = shape[1]
+    np.testing.assert_array_equal(np.asarray(q.qvalue[0].astype(jnp.float32))[:, :k], values)
+    got_scale = np.repeat(np.asarray(q.scale[0]), min(128, k), axis=1)[:, :k]
+    np.testing.assert_array_equal(got_scale, scale)
+    assert len(np.unique(scale)) <= -(-shape[0] // 128) * -(-k // 128) + 1  # one scale per block (+ zero blocks)
+
+
+@pytest.mark.parametrize("k", [64, 96, 100])
+def test_mxfp8_blocks_equal_the_reference(k):
+    a = _hard_rows(np.random.default_rng(k + 1), 6, k)
+    q = fp8.quantize_rows(jnp.asarray(a)[None], "mxfp8")
+    values, scale = reference_mxfp8_rows(a)
+    got_scale = np.repeat(np.asarray(q.scale[0]), 32, axis=1)[:, :k]
+    np.testing.assert_array_equal(np.asarray(q.qvalue[0].astype(jnp.float32))[:, :k], values)
+    np.testing.assert_array_equal(got_scale, scale)
+    assert np.all(np.log2(scale) == np.round(np.log2(scale)))  # E8M0: powers of two
+    assert np.max(np.abs(values)) <= 448.0
+
+
+def _error_bound(a_RxK, b_CxK, quant_a, quant_b):
+    """|fp8 a.b^T - a.b^T| <= sum_k |a||eb| + |b||ea| + |ea||eb|, with each quantised element within
+    u |x| + s 2^-10 of x (u = 2^-4: normal rounding; s 2^-10: half the subnormal spacing), plus f32 slack."""
+    _, sa = quant_a(a_RxK)
+    _, sb = quant_b(b_CxK)
+    ea = E4M3_UNIT_ROUNDOFF * np.abs(a_RxK) + sa * E4M3_SUBNORMAL_HALF_SPACING
+    eb = E4M3_UNIT_ROUNDOFF * np.abs(b_CxK) + sb * E4M3_SUBNORMAL_HALF_SPACING
+    a64, b64, ea, eb = (np.asarray(v, np.float64) for v in (a_RxK, b_CxK, ea, eb))
+    slack = 1e-5 * np.abs(a64) @ np.abs(b64).T
+    return np.abs(a64) @ eb.T + ea @ np.abs(b64).T + ea @ eb.T + slack
+
+
+@pytest.mark.parametrize("fmt", ["blockwise", "mxfp8"])
+def test_every_fp8_gemm_stays_inside_its_scaling_bound(fmt):
+    """Forward, activation gradient and weight gradient of x @ w, each against f64 and the bound its operands'
+    scaling implies; and the error is that of FP8 (not zero), so the GEMMs did run quantised."""
+    rng = np.random.default_rng(7)
+    m, k, n = 160, 256, 192
+    x = (rng.standard_normal((m, k)) * np.exp(rng.standard_normal((m, 1)))).astype(np.float32)
+    w = (rng.standard_normal((k, n)) * 0.05).astype(np.float32)
+    dy = rng.standard_normal((m, n)).astype(np.float32)
+    y, vjp = jax.vjp(lambda x, w: fp8.fp8_einsum("mk,kn->mn", x, w, fmt), jnp.asarray(x), jnp.asarray(w))
+    dx, dw = vjp(jnp.asarray(dy))
+    rows = reference_blockwise_rows if fmt == "blockwise" else reference_mxfp8_rows
+    weight = reference_blockwise_weight if fmt == "blockwise" else reference_mxfp8_rows
+    products = {  # name: (fp8 result, a [R, K], b [C, K], how a and b are quantised)
+        "y": (y, x, w.T, rows, weight),
+        "dx": (dx, dy, w, rows, weight),
+        "dw": (dw.T, dy.T, x.T, rows, rows),  # dw^T = dy^T x: contraction over the tokens, both tiled along them
+    }
+    for name, (got, a, b, qa, qb) in products.items():
+        exact = np.asarray(a, np.float64) @ np.asarray(b, np.float64).T
+        err = np.abs(np.asarray(got, np.float64) - exact)
+        assert np.all(err <= _error_bound(a, b, qa, qb)), name
+        relative = np.linalg.norm(err) / np.linalg.norm(exact)
+        assert 3e-3 < relative < 0.1, (name, relative)
+
+
+def _fp8_config(fmt="blockwise"):
+    c = default_config()
+    c.model.fp8 = fmt
+    c.kernels.attention = "xla"  # resolvable without the gpu extra (this file runs in the CPU suites)
+    return c
+
+
+def test_fp8_config_errors_before_compile():
+    with pytest.raises(ConfigError, match="model.fp8='fp4'"):
+        validate(_fp8_config("fp4"), 8)
+    c = _fp8_config()
+    c.model.grad_reduce_dtype = "float16"
+    with pytest.raises(ConfigError):
+        validate(c, 8)
+    with pytest.raises(ConfigError, match="compute capability >= 10.0"):
+        resolve_kernels(_fp8_config("mxfp8"), "gpu", 9.0)
+    with pytest.raises(ConfigError, match="compute capability >= 8.9"):
+        resolve_kernels(_fp8_config("blockwise"), "gpu", 8.0)
+    c = _fp8_config()
+    c.moe.dispatch, c.kernels.expert_gemm = "dropless", "tokamax"
+    with pytest.raises(ConfigError, match="FP8 expert GEMM"):
+        resolve_kernels(c, "gpu", 9.0)
+    c.kernels.expert_gemm = "auto"
+    assert resolve_kernels(c, "gpu", 9.0)["expert_gemm"] == "einsum"  # auto: the FP8 (qwix einsum) expert GEMM
+    assert resolve_kernels(_fp8_config("mxfp8"), "gpu", 10.3)["expert_gemm"] == "einsum"
+
+
+
+
+
+def _dot_operands(jaxpr, out):
+    """(lhs aval, rhs aval) of every dot_general in a jaxpr and all its sub-jaxprs (loops, conds, custom VJPs)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            out.append(tuple(v.aval for v in eqn.invars))
+        for param in eqn.params.values():
+            for sub in (param if isinstance(param, (tuple, list)) else (param,)):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    _dot_operands(sub.jaxpr, out)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    _dot_operands(sub, out)
+    return out
+
+
+def test_dropless_overflow_rounds_run_their_expert_gemms_in_fp8_forward_and_backward(devices):
+    """The overflow rounds' backward re-traces each round outside the model's `fp8.gemms_in`: every expert GEMM of
+    the dropless block (round 0, overflow rounds, forward and both backward GEMMs) must still read e4m3."""
+    from flax import nnx
+
+    from tests.test_moe_parallel import ADVERSARIAL, inputs, make_moe, moe_cfg
+    from moejax.parallel.mesh import batch_sharding, make_mesh
+    from moejax.program.state import state_shardings
+    cfg = moe_cfg(mode="dropless", window=0.5)
+    cfg.d_ff_expert = 24  # a width no other array here has
+    moe = make_moe(cfg, 3)
+    moe.router.bias_E[...] = jnp.asarray(ADVERSARIAL["all-to-one-expert"][0], jnp.float32)  # overflow rounds
+    x, cot = inputs(3)
+    graphdef, state = nnx.split(moe)
+    mesh = make_mesh({"data": 2, "fsdp": 1, "expert": 4, "tensor": 1}, devices)
+    state = jax.device_put(state, state_shardings(state, mesh))
+    x = jax.device_put(x, batch_sharding(mesh))
+
+    def loss(state, x, cot):
+        with fp8.gemms_in("blockwise"):  # the forward only, as Transformer.hidden does: autodiff traces after
+            y, _ = nnx.merge(graphdef, state)(x)
+        return jnp.sum(y * cot)
+
+    with jax.set_mesh(mesh):
+        traced = jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1)))(state, x, cot)
+    d_ff = cfg.d_ff_expert
+    # the expert GEMMs: batched (both operands [tiles or experts, rows, dim]) with the expert FFN width in them
+    expert_gemms = [ops for ops in _dot_operands(traced.jaxpr, [])
+                    if all(a.ndim == 3 for a in ops) and any(d_ff in a.shape for a in ops)]
+    # round 0 and the overflow rounds' forward, the overflow rounds' re-traced forward and both backwards:
+    # 3 GEMMs x (1 + 1) forward + 3 x (1 + 2) in the overflow backward + 3 x 2 in round 0's backward
+    assert len(expert_gemms) >= 3 * 2 + 3 * 3 + 3 * 2, len(expert_gemms)
+    not_fp8 = [ops for ops in expert_gemms if any(a.dtype != jnp.float8_e4m3fn for a in ops)]
+    assert not not_fp8, not_fp8
+
+
+def test_deepseek_fp8_checkpoint_export_and_import(tmp_path):
+    """A DeepSeek-V3 model exported in DeepSeek's FP8 layout (e4m3 projections + f32 weight_scale_inv per 128 x 128
+    block, the rest bf16) imports back as the dequantised weights: equal to the blocks the reference quantiser
+    gives, within e4m3 precision of the trained weights; a non-projection weight round-trips through bf16."""
+    import json as _json
+    import runpy
+
+    from flax import nnx
+
+    from moejax.interop import load_hf, save_hf
+    from moejax.interop.safetensors_io import SafetensorsDir
+    from moejax.model.transformer import Transformer
+    cfg = runpy.run_path("configs/deepseek_v3_small.py")["get_config"]()
+    cfg.model.n_layers, cfg.model.vocab_size, cfg.model.d_model = 2, 384, 256  # d_model: two 128-blocks
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    out = save_hf(model, cfg, tmp_path / "fp8", dtype="float8_e4m3fn")
+    files = SafetensorsDir(out)
+    hf_config = _json.loads((out / "config.json").read_text())
+    assert hf_config["quantization_config"]["weight_block_size"] == [128, 128]
+    name = "model.layers.1.mlp.experts.3.down_proj.weight"  # [d_model, d_ff_expert] = [256, 64]
+    raw, scale_inv = files._raw(name), files._raw(name.replace(".weight", ".weight_scale_inv"))
+    assert raw.dtype == ml_dtypes.float8_e4m3fn and scale_inv.dtype == np.float32 and scale_inv.shape == (2, 1)
+    assert files._raw("model.embed_tokens.weight").dtype == ml_dtypes.bfloat16
+    assert files._raw("model.layers.1.mlp.gate.weight").dtype == ml_dtypes.bfloat16  # the router stays bf16
+    fp8_names = {n for n in files.names() if files._raw(n).dtype == ml_dtypes.float8_e4m3fn}
+    assert {n.split(".")[-2] for n in fp8_names} == {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
+                                                      "o_proj", "gate_proj", "up_proj", "down_proj"}
+
+    original = np.asarray(model.moe_layers.ffn.w_down_ExFxD[...][0, 3], np.float32).T  # HF layout [out, in]
+    values, scale = reference_blockwise_weight(original)
+    imported, _ = load_hf(out, base_config=cfg)
+    got = np.asarray(imported.moe_layers.ffn.w_down_ExFxD[...][0, 3], np.float32).T
+    np.testing.assert_array_equal(got, values * scale)  # dequantised exactly as the blocks say
+    err = np.abs(got - original)
+    assert np.all(err <= E4M3_UNIT_ROUNDOFF * np.abs(original) + scale * E4M3_SUBNORMAL_HALF_SPACING)
+    assert np.max(err) > 0
+    table = np.asarray(model.embed.table_VxD[...], np.float32)
+    np.testing.assert_array_equal(np.asarray(imported.embed.table_VxD[...]),
+                                  table.astype(ml_dtypes.bfloat16).astype(np.float32))
