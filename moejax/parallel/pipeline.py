@@ -1,0 +1,130 @@
+"""Circular (interleaved) pipeline schedule over a mesh axis, written for GSPMD (MaxText's design): every array
+of the schedule has a leading stage dim split over the stage axis, each `lax.scan` tick runs the stage function
+under `jax.vmap(spmd_axis_name=axis)` (each device computes its own stage), and `jnp.roll` along the stage dim
+hands activations to the next stage (XLA: a collective-permute).
+
+Layers are split into S stages x V virtual stages (repeats) of `per_chunk` layers each, in the order the layer
+stack already has: layer l = (r * S + s) * per_chunk + j lives on stage s, repeat r, so stage s holds V chunks
+and a micro-batch goes round the ring of stages V times (MaxText's circular pipeline; Megatron's interleaved
+schedule places chunks the same way). With M micro-batches, stage s works at tick t on item i = t - s: repeat
+i // M, micro-batch i % M; the schedule has M x V + S - 1 ticks, of which each stage idles S - 1 (the bubble,
+(S - 1) / (M x V) of the useful ticks). The last stage's output of repeat r < V - 1 arrives at stage 0 before
+stage 0 needs it (M >= S) and waits in a buffer of M slots until its turn.
+
+Every other mesh axis stays automatic inside (GSPMD splits what the stage function does over data, fsdp, expert
+and tensor), and a `jax.shard_map` over the whole mesh inside the stage function (the MoE dispatch) is batched by
+vmap with the stage axis added to its specs. Why not a shard_map manual over the stage axis with ppermute: in
+jax 0.10 and 0.12, differentiating a shard_map nested in one that is manual over another axis gives the inner
+one's residuals specs naming the outer axis, which does not lower (sdy: "operates on axis 'stage' which is
+already bound by a parent"). Autodiff goes through the scan: the backward is the ring run in reverse.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+
+def schedule_ticks(n_stages: int, n_micro: int, n_repeats: int) -> int:
+    """Ticks of the circular schedule: every stage does n_micro x n_repeats items and starts one tick after the
+    stage before it."""
+    return n_micro * n_repeats + n_stages - 1
+
+
+def bubble_fraction(n_stages: int, n_micro: int, n_repeats: int) -> float:
+    """Idle ticks over useful ticks per stage, (S - 1) / (M x V)."""
+    return (n_stages - 1) / (n_micro * n_repeats)
+
+
+def check_schedule(n_layers: int, n_stages: int, n_repeats: int, n_micro: int) -> int:
+    """Layers per chunk; ValueError (one line, what to change) when the split or the micro-batch count cannot
+    run the schedule."""
+    chunks = n_stages * n_repeats
+    if n_layers % chunks:
+        raise ValueError(f"{n_layers} layers do not split into {n_stages} stages x {n_repeats} virtual stages "
+                         f"({chunks} equal chunks): choose stages x virtual stages dividing {n_layers}")
+    if n_micro < n_stages:
+        raise ValueError(f"{n_micro} micro-batches are fewer than {n_stages} pipeline stages: the circular schedule "
+                         f"needs train.micro_batches >= stages")
+    return n_layers // chunks
+
+
+def to_chunks(tree, n_stages: int, n_repeats: int):
+    """Layer-stacked leaves [L, ...] -> [V, S, L / (S V), ...] (layer l = (r S + s) per_chunk + j)."""
+    return jax.tree.map(lambda a: a.reshape(n_repeats, n_stages, a.shape[0] // (n_stages * n_repeats),
+                                            *a.shape[1:]), tree)
+
+
+def from_chunks(tree):
+    """[V, S, per_chunk, ...] -> [L, ...] in layer order (the inverse of to_chunks)."""
+    return jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1] * a.shape[2], *a.shape[3:]), tree)
+
+
+def circular_pipeline(stage_fn: Callable, params_VxSxC, x_MxB, *, mesh, axis: str, n_repeats: int, aux_like=None):
+    """Run `stage_fn(chunk_params, x_B) -> (y_B, aux)` over every chunk of layers for every micro-batch.
+
+    params_VxSxC: a tree of [V, S, per_chunk, ...] leaves (to_chunks of the layer stack); x_MxB: [M, ...]
+    micro-batches; aux: a tree of arrays summed over micro-batches per chunk (e.g. MoE expert loads per layer),
+    `aux_like` its zeros (or None). Returns (y_MxB: the last chunk's outputs, aux_VxSx...: the sums per chunk,
+    or None). Equal to applying the chunks in layer order to each micro-batch.
+    """
+    n_stages = mesh.shape[axis]
+    n_micro = x_MxB.shape[0]
+    if n_micro < n_stages:
+        raise ValueError(f"{n_micro} micro-batches are fewer than {n_stages} pipeline stages")
+    n_items = n_micro * n_repeats
+    stage_S = jnp.arange(n_stages, dtype=jnp.int32)
+    with_aux = aux_like is not None
+    by_stage = functools.partial(jax.vmap, spmd_axis_name=axis)
+
+    def split(a, dim=0):
+        """Stage dim `dim` over the stage axis, the others left to GSPMD."""
+        spec = [P.UNCONSTRAINED] * a.ndim
+        spec[dim] = axis
+        return lax.with_sharding_constraint(a, NamedSharding(mesh, P(*spec)))
+
+    def tick(carry, t):
+        state_SxB, wait_MxB, out_MxB, aux_VxS = carry
+        # What the last stage finished one tick ago reached stage 0 (item t - S): it waits there for its next repeat.
+        arrived_B = state_SxB[0]
+        back = t - n_stages
+        parks = (back >= 0) & (back < n_items - n_micro)
+        wait_MxB = jnp.where(parks, lax.dynamic_update_index_in_dim(wait_MxB, arrived_B, back % n_micro, 0),
+                             wait_MxB)
+
+        item_S = t - stage_S
+        busy_S = (item_S >= 0) & (item_S < n_items)
+        item_S = jnp.clip(item_S, 0, n_items - 1)
+        repeat_S, micro_S = item_S // n_micro, item_S % n_micro
+        first_B = jnp.where(repeat_S[0] == 0, _index(x_MxB, micro_S[0]), _index(wait_MxB, micro_S[0]))
+        in_SxB = split(state_SxB.at[0].set(first_B))
+        chunk_SxC = by_stage(lambda p_VxC, r: jax.tree.map(lambda a: _index(a, r), p_VxC), in_axes=(1, 0))(
+            params_VxSxC, repeat_S)
+        y_SxB, aux_S = by_stage(stage_fn)(chunk_SxC, in_SxB)
+        y_SxB = split(y_SxB)
+
+        last = n_stages - 1
+        done = busy_S[last] & (repeat_S[last] == n_repeats - 1)
+        out_MxB = jnp.where(done, lax.dynamic_update_index_in_dim(out_MxB, y_SxB[last], micro_S[last], 0), out_MxB)
+        if with_aux:
+            add = lambda acc_V, a, r, busy: jnp.where(  # noqa: E731
+                busy, lax.dynamic_update_index_in_dim(acc_V, _index(acc_V, r) + a, r, 0), acc_V)
+            aux_VxS = jax.tree.map(lambda acc, a: by_stage(add, in_axes=(1, 0, 0, 0), out_axes=1)(
+                acc, a, repeat_S, busy_S), aux_VxS, aux_S)
+        return (split(jnp.roll(y_SxB, 1, axis=0)), wait_MxB, out_MxB, aux_VxS), None
+
+    state_SxB = split(jnp.zeros((n_stages, *x_MxB.shape[1:]), x_MxB.dtype))
+    aux_VxS = jax.tree.map(lambda a: jnp.zeros((n_repeats, n_stages, *a.shape), a.dtype), aux_like)
+    init = (state_SxB, jnp.zeros_like(x_MxB), jnp.zeros_like(x_MxB), aux_VxS)
+    ticks = jnp.arange(schedule_ticks(n_stages, n_micro, n_repeats), dtype=jnp.int32)
+    (_, _, out_MxB, aux_VxS), _ = lax.scan(tick, init, ticks)
+    return out_MxB, (aux_VxS if with_aux else None)
+
+
+def _index(a, i):
+    return lax.dynamic_index_in_dim(a, i, 0, keepdims=False)
