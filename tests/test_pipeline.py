@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from moejax.parallel.pipeline import (bubble_fraction, check_schedule, circular_pipeline, from_chunks,
-                                      schedule_ticks, to_chunks)
+                                      merge_micro_batches, micro_batches, schedule_ticks, to_chunks)
 
 D, F, B = 16, 32, 8  # width, hidden width, rows per micro-batch (split over `data` inside each stage)
 
@@ -33,7 +33,9 @@ def centred(h_BxD, nested: bool):
 
 
 def chunk_fn(nested: bool):
-    def run(chunk, x_BxD):
+    def run(chunk, x_BxD, side_BxD):
+        x_BxD = x_BxD + 0.1 * side_BxD  # a per-micro-batch input every chunk reads (as positions are)
+
         def one(x, w):
             h, stat = layer(w, x)
             return centred(h, nested), stat
@@ -41,13 +43,24 @@ def chunk_fn(nested: bool):
     return run
 
 
-def reference(params_L, x_MxBxD):
-    outs, stats = [], 0.0
-    for x in x_MxBxD:
-        y, s = chunk_fn(False)(params_L, x)
-        outs.append(y)
-        stats = stats + s
-    return jnp.stack(outs), stats
+def reference(params_L, x_MxBxD, side_MxBxD, per_chunk: int):
+    n_layers = jax.tree.leaves(params_L)[0].shape[0]
+    outs, stats = [], []
+    for x, side in zip(x_MxBxD, side_MxBxD):
+        stat_chunks = []
+        for c in range(0, n_layers, per_chunk):
+            x, s = chunk_fn(False)(jax.tree.map(lambda a: a[c:c + per_chunk], params_L), x, side)
+            stat_chunks.append(s)
+        outs.append(x)
+        stats.append(jnp.concatenate(stat_chunks))
+    return jnp.stack(outs), sum(stats)
+
+
+def test_micro_batches_round_trip():
+    x = jnp.arange(24).reshape(12, 2)
+    m = micro_batches(x, 3)
+    assert m.shape == (3, 4, 2) and m[1, 0, 0] == 2 and m[1, 1, 0] == 8  # rows 1, 4, 7, 10
+    np.testing.assert_array_equal(merge_micro_batches(m), x)
 
 
 def loss_terms(y_MxBxD, stats_LxD, probe_MxBxD, probe_LxD):
@@ -64,22 +77,27 @@ def test_pipeline_equals_the_layers_in_order(devices, stages, repeats, micro, pe
     params = {"w1": jnp.asarray(rng.normal(0, 0.3, (n_layers, D, F)), jnp.float32),
               "w2": jnp.asarray(rng.normal(0, 0.3, (n_layers, F, D)), jnp.float32)}
     x = jnp.asarray(rng.normal(size=(micro, B, D)), jnp.float32)
+    side = jnp.asarray(rng.normal(size=(micro, B, D)), jnp.float32)
     probe_y = jnp.asarray(rng.normal(size=(micro, B, D)), jnp.float32)
     probe_s = jnp.asarray(rng.normal(size=(n_layers, D)), jnp.float32)
 
-    def piped(params_L, x_MxBxD):
+    def piped(params_L, x_MxBxD, side_MxBxD):
         chunks = to_chunks(params_L, stages, repeats)
         chunks = jax.lax.with_sharding_constraint(chunks, NamedSharding(mesh, P(None, "stage")))
         x_MxBxD = jax.lax.with_sharding_constraint(x_MxBxD, NamedSharding(mesh, P(None, "data")))
         y, stats_VxSxC = circular_pipeline(chunk_fn(True), chunks, x_MxBxD, mesh=mesh, axis="stage",
-                                           n_repeats=repeats, aux_like=jnp.zeros((per_chunk, D), jnp.float32))
-        return y, from_chunks(stats_VxSxC)
+                                           n_repeats=repeats, side_MxB=side_MxBxD,
+                                           aux_like=jnp.zeros((per_chunk, D), jnp.float32))
+        # [V, S, M, per_chunk, D] -> summed over micro-batches, layer order
+        return y, from_chunks(jnp.sum(stats_VxSxC, axis=2))
 
     with jax.set_mesh(mesh):
-        y, stats = jax.jit(piped)(params, x)
-        grads = jax.jit(jax.grad(lambda p, x: loss_terms(*piped(p, x), probe_y, probe_s), argnums=(0, 1)))(params, x)
-    y_ref, stats_ref = reference(params, x)
-    grads_ref = jax.grad(lambda p, x: loss_terms(*reference(p, x), probe_y, probe_s), argnums=(0, 1))(params, x)
+        y, stats = jax.jit(piped)(params, x, side)
+        grads = jax.jit(jax.grad(lambda p, x, sd: loss_terms(*piped(p, x, sd), probe_y, probe_s),
+                                 argnums=(0, 1, 2)))(params, x, side)
+    y_ref, stats_ref = reference(params, x, side, per_chunk)
+    grads_ref = jax.grad(lambda p, x, sd: loss_terms(*reference(p, x, sd, per_chunk), probe_y, probe_s),
+                         argnums=(0, 1, 2))(params, x, side)
     np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(stats, stats_ref, rtol=1e-5, atol=1e-4)
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref)):
@@ -106,7 +124,7 @@ def test_compiled_ring_moves_activations_only(devices):
                        stages, repeats)
 
     def loss(chunks, x):
-        y, _ = circular_pipeline(chunk_fn(True), chunks, x, mesh=mesh, axis="stage", n_repeats=repeats)
+        y, _ = circular_pipeline(chunk_fn(True), chunks, x, mesh=mesh, axis="stage", n_repeats=repeats, side_MxB=x)
         return jnp.sum(y)
 
     with jax.set_mesh(mesh):

@@ -10,7 +10,7 @@ import ml_collections
 
 from moejax.errors import InputError
 
-MESH_AXES = ("data", "fsdp", "expert", "tensor")
+MESH_AXES = ("stage", "data", "fsdp", "expert", "tensor")
 # float16 is not offered: its 5-bit exponent needs dynamic loss scaling, which moejax does not implement;
 # bfloat16 has float32's range and trains without it.
 DTYPES = ("float32", "bfloat16")
@@ -111,6 +111,8 @@ def default_config() -> ml_collections.ConfigDict:
     k.loss_chunk = 512  # chunked loss: sequence positions of every row per chunk
 
     c.mesh = ms = ml_collections.ConfigDict()
+    ms.stage = 1  # pipeline stages (moejax/parallel/pipeline.py): the MoE layers split over them, across NVLink domains
+    ms.virtual_stages = 1  # chunks of MoE layers per stage (circular / interleaved schedule); bubble (S-1)/(M x V)
     ms.data = -1  # -1: whatever the other axes leave
     ms.fsdp = 1
     ms.expert = 1

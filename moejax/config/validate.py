@@ -136,6 +136,7 @@ def validate(cfg, n_devices: int) -> dict[str, int]:
             f"train.micro_batches={t.micro_batches} must be >= 1 and divide the per-device batch: "
             f"train.global_batch={t.global_batch} / batch-parallel size {batch_shards}"
         )
+    _validate_pipeline(cfg, sizes, n_moe_layers)
     if t.seq_len > m.max_seq_len:
         raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
     _validate_run_guards(cfg)
@@ -144,6 +145,39 @@ def validate(cfg, n_devices: int) -> dict[str, int]:
     if cfg.hardware.peak_tflops < 0:
         raise ConfigError("hardware.peak_tflops must be >= 0 (0 means look up or measure)")
     return sizes
+
+
+def _validate_pipeline(cfg, sizes: dict[str, int], n_moe_layers: int):
+    """Pipeline stages split the MoE layers into stage x virtual-stage chunks of equal size (the dense layers and
+    embedding run before the pipeline, MTP and the head after it) and need a micro-batch per stage at least."""
+    stages, virtual, micro = sizes["stage"], int(cfg.mesh.virtual_stages), int(cfg.train.micro_batches)
+    if int(cfg.mesh.stage) == -1:
+        raise ConfigError("mesh.stage=-1: set the pipeline stage count explicitly (the layer split depends on it)")
+    if virtual < 1:
+        raise ConfigError(f"mesh.virtual_stages={virtual} must be >= 1")
+    if stages == 1:
+        if virtual > 1:
+            raise ConfigError(f"mesh.virtual_stages={virtual} needs pipeline stages: set mesh.stage > 1")
+        return
+    if not n_moe_layers:
+        raise ConfigError(f"mesh.stage={stages}: pipeline stages split the MoE layers and this model has none")
+    chunks = stages * virtual
+    if n_moe_layers % chunks:
+        fits = [f"{s} x {v}" for s in range(2, n_moe_layers + 1) for v in range(1, n_moe_layers + 1)
+                if n_moe_layers % (s * v) == 0 and s * v <= n_moe_layers][:6]
+        raise ConfigError(
+            f"mesh.stage={stages} x mesh.virtual_stages={virtual} = {chunks} chunks do not split the "
+            f"{n_moe_layers} MoE layers (model.n_layers={cfg.model.n_layers} - model.first_k_dense="
+            f"{cfg.model.first_k_dense}; the dense layers run before the pipeline, MTP after it) into equal "
+            f"chunks: use stages x virtual stages dividing {n_moe_layers} ({', '.join(fits) or 'none'})")
+    if cfg.moe.dispatch == "dropless":
+        raise ConfigError(
+            f"mesh.stage={stages} with moe.dispatch='dropless': dropless dispatch does not run inside pipeline stages "
+            "yet; use moe.dispatch='capacity' with moe.capacity_factor=0 (worst-case capacity: nothing dropped, "
+            "exact) or a capacity factor you accept")
+    if micro < stages:
+        raise ConfigError(f"train.micro_batches={micro} is fewer than mesh.stage={stages}: every stage needs a "
+                          f"micro-batch in flight; set train.micro_batches >= {stages} (bubble (S-1)/(M x V))")
 
 
 def _validate_run_guards(cfg):

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from moejax.kernels.cross_entropy import chunked_cross_entropy, dense_cross_entropy
-from moejax.model.moe import MoEStats
+from moejax.model.moe import MoEStats, combine_micro_stats
 from moejax.model.transformer import shift_left
 from moejax.parallel.mesh import constrain
 
@@ -106,6 +106,12 @@ def lm_loss(model, tokens_BxL1, segment_ids_BxL1=None, *, mtp_weight: float = 0.
         total = total + mtp_weight / len(mtp_ce) * sum(mtp_ce)
     stats, aux = out.stats, jnp.float32(0)
     if stats is not None:
-        stats = with_batch_balance(stats, float(model.moe_layers.ffn.batch_aux_loss_coef))
-        aux = jnp.sum(stats.aux_loss)
+        coef = float(model.moe_layers.ffn.batch_aux_loss_coef)
+        if getattr(model, "pipelined", False):  # [M, rows, ...]: the balance losses per pass, their mean counts
+            stats = jax.vmap(lambda s: with_batch_balance(s, coef))(stats)
+            aux = jnp.sum(stats.aux_loss) / stats.aux_loss.shape[0]
+            stats = combine_micro_stats(stats)
+        else:
+            stats = with_batch_balance(stats, coef)
+            aux = jnp.sum(stats.aux_loss)
     return total + aux, LossParts(ce, jnp.stack(mtp_ce) if mtp_ce else jnp.zeros((0,), jnp.float32), aux, stats)

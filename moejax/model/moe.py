@@ -38,6 +38,17 @@ class MoEStats(NamedTuple):
     dropless_rounds: jax.Array  # receive-window rounds the dropless exchange ran (1: the load fit one window)
 
 
+# How per-pass statistics combine over the passes of one step (micro-batches): counts add up, the rounds of the
+# dropless exchange take the worst pass, everything else (losses, load fractions, probabilities) is a mean.
+_SUMMED_STATS = ("tokens_per_expert_E", "dropped", "assignments")
+
+
+def combine_micro_stats(stats_MxR: MoEStats) -> MoEStats:
+    """[M, rows, ...] statistics of M passes -> [rows, ...] of the step."""
+    return MoEStats(**{k: (jnp.sum(v, axis=0) if k in _SUMMED_STATS else jnp.max(v, axis=0) if k == "dropless_rounds"
+                           else jnp.mean(v, axis=0)) for k, v in stats_MxR._asdict().items()})
+
+
 _EXACT = contextvars.ContextVar("moejax_exact_dispatch", default=False)
 
 
@@ -54,7 +65,7 @@ def exact_dispatch():
 
 class MoE(nnx.Module):
     def __init__(self, dim: int, moe_cfg, expert_gemm: str, *, rngs: nnx.Rngs, std: float, param_dtype=jnp.float32,
-                 f32_grad: bool = True):
+                 f32_grad: bool = True, in_pipeline: bool = False):
         n_experts, hidden = moe_cfg.n_routed_experts, moe_cfg.d_ff_expert
         self.router = Router(dim, moe_cfg, rngs=rngs, std=std, param_dtype=param_dtype)
         self.shared = (
@@ -70,6 +81,9 @@ class MoE(nnx.Module):
         self.mode = moe_cfg.dispatch
         self.drop_policy = moe_cfg.drop_policy
         self.dropless_window = float(moe_cfg.dropless_window)
+        # Inside pipeline stages exact dispatch (evaluation) is capacity dispatch at the worst-case capacity: dropless
+        # does not trace under the pipeline's vmap over stages yet (config validation refuses it for training).
+        self.exact_mode = ("capacity", 0.0) if in_pipeline else ("dropless", self.capacity_factor)
         self.seq_aux_loss_coef = float(moe_cfg.seq_aux_loss_coef)
         self.batch_aux_loss_coef = float(moe_cfg.batch_aux_loss_coef)  # applied model-wide by loss.lm_loss
         self.z_loss_coef = float(moe_cfg.z_loss_coef)
@@ -85,8 +99,8 @@ class MoE(nnx.Module):
             routing.expert_idx_BxLxK.reshape(batch * seq, -1),
             routing.expert_w_BxLxK.reshape(batch * seq, -1),
             self.w_gate_ExDxF[...], self.w_up_ExDxF[...], self.w_down_ExFxD[...], compute_dtype=dt,
-            f32_grad=self.f32_grad, capacity_factor=self.capacity_factor,
-            mode="dropless" if _EXACT.get() else self.mode, drop_policy=self.drop_policy,
+            f32_grad=self.f32_grad, capacity_factor=self.exact_mode[1] if _EXACT.get() else self.capacity_factor,
+            mode=self.exact_mode[0] if _EXACT.get() else self.mode, drop_policy=self.drop_policy,
             gemm=self.expert_gemm, dropless_window=self.dropless_window,
         )
         out = shared_BxLxD + routed_TxD.reshape(batch, seq, dim)

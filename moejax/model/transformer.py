@@ -1,5 +1,10 @@
 """Decoder stack: embedding, first-k dense blocks, MoE blocks (each a scan over layers with remat), final
-norm and LM head, then the Multi-Token Prediction modules (model/mtp.py) on the last hidden state."""
+norm and LM head, then the Multi-Token Prediction modules on the last hidden state.
+
+With pipeline stages (mesh.stage > 1) the MoE blocks run as a circular pipeline over the `stage` mesh axis
+(moejax/parallel/pipeline.py) on train.micro_batches micro-batches: the embedding and dense blocks before it, the
+final norm, MTP modules and head after it, each MTP pass and every MoE statistic per micro-batch (as gradient
+accumulation computes them)."""
 
 from __future__ import annotations
 
@@ -13,9 +18,15 @@ from moejax.kernels import fp8
 from moejax.kernels.resolve import model_kernels
 from moejax.model.attention import make_attention
 from moejax.model.layers import LAYERS_AXIS_METADATA, MLP, Embed, RMSNorm, dtype_of, grads_in_f32, param, project
-from moejax.model.moe import MoE, MoEStats
+from moejax.model.moe import MoE, MoEStats, combine_micro_stats
 from moejax.model.rope import segment_positions
-from moejax.parallel.mesh import constrain
+from moejax.parallel.mesh import constrain, current_mesh
+from moejax.parallel.pipeline import circular_pipeline, merge_micro_batches, micro_batches
+
+# The pipelined MoE stack's layer dim is split over the `stage` mesh axis; with virtual stages it is stored as
+# [virtual_stages, layers / virtual_stages] (repeat r, layer k = layer r * L / V + k), so each stage's chunks are a
+# contiguous slice of dim 1 and the element order stays the layer order.
+STAGE_LAYERS_AXIS_METADATA = {nnx.PARTITION_NAME: "stage_layers", "logical_axes": "stage_layers"}
 
 ACT_BxLxD = ("batch", "seq", "act_embed")
 
@@ -38,13 +49,13 @@ class HiddenOutput(NamedTuple):
 
     h_BxLxD: jax.Array
     mtp_h_DxBxLxD: jax.Array | None  # [depth, B, L, D]; MTP depth k's row i predicts token i + 1 + k
-    stats: MoEStats | None
+    stats: MoEStats | None  # [rows, ...]; pipelined: [micro_batches, rows, ...] (per pass, lm_loss combines them)
 
 
 class Block(nnx.Module):
     """Pre-norm block: x + attn(norm(x)), then x + ffn(norm(x)); ffn is a dense MLP or an MoE."""
 
-    def __init__(self, cfg, *, moe: bool, rngs: nnx.Rngs):
+    def __init__(self, cfg, *, moe: bool, rngs: nnx.Rngs, in_pipeline: bool = False):
         m = cfg.model
         pdt = dtype_of(m.param_dtype)
         self.attn_norm = RMSNorm(m.d_model, eps=m.norm_eps, param_dtype=pdt)
@@ -53,7 +64,7 @@ class Block(nnx.Module):
         self.ffn_norm = RMSNorm(m.d_model, eps=m.norm_eps, param_dtype=pdt)
         if moe:
             self.ffn = MoE(m.d_model, cfg.moe, kernels["expert_gemm"], rngs=rngs, std=m.init_std, param_dtype=pdt,
-                           f32_grad=grads_in_f32(m))
+                           f32_grad=grads_in_f32(m), in_pipeline=in_pipeline)
         else:
             self.ffn = MLP(m.d_model, m.d_ff, rngs=rngs, std=m.init_std, param_dtype=pdt,
                            f32_grad=grads_in_f32(m))
@@ -69,15 +80,40 @@ class Block(nnx.Module):
         return constrain(x_BxLxD + y, ACT_BxLxD), stats
 
 
-def _stacked_blocks(cfg, n: int, *, moe: bool, rngs: nnx.Rngs):
-    """n Blocks with parameters stacked on a leading 'layers' dim, for nnx.scan."""
+def _stacked_blocks(cfg, n: int, *, moe: bool, rngs: nnx.Rngs, in_pipeline: bool = False):
+    """n Blocks with parameters stacked on a leading 'layers' dim, for nnx.scan (split over `stage` when the stack
+    runs in the pipeline)."""
 
     @nnx.split_rngs(splits=n)
-    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata=LAYERS_AXIS_METADATA)
+    @nnx.vmap(in_axes=(0,), out_axes=0,
+              transform_metadata=STAGE_LAYERS_AXIS_METADATA if in_pipeline else LAYERS_AXIS_METADATA)
     def create(rngs):
-        return Block(cfg, moe=moe, rngs=rngs)
+        return Block(cfg, moe=moe, rngs=rngs, in_pipeline=in_pipeline)
 
     return create(rngs)
+
+
+def _split_repeats(blocks, n_repeats: int):
+    """Stacked [L, ...] variables -> [V, L / V, ...] with a leading 'repeat' name (same element order)."""
+    for _, var in nnx.iter_graph(blocks):
+        if isinstance(var, nnx.Variable):
+            value = var.get_value()
+            var.set_value(value.reshape(n_repeats, value.shape[0] // n_repeats, *value.shape[1:]))
+            var.set_metadata(logical_axes=("repeat", *var.get_metadata()["logical_axes"]))
+
+
+def _as_chunks(state, n_stages: int, n_repeats: int):
+    """The pipelined stack's variables as [V, S, L / (S V), ...] chunks, named like a plain layer stack (what
+    _run_stack scans over once the pipeline has taken V and S off)."""
+
+    def chunk(var):
+        names = var.get_metadata()["logical_axes"]
+        value = var.get_value()
+        per_layer = value.shape[2:] if n_repeats > 1 else value.shape[1:]
+        value = value.reshape(n_repeats, n_stages, -1, *per_layer)
+        return var.replace(value, logical_axes=("layers", *names[len(names) - len(per_layer):]))
+
+    return jax.tree.map(chunk, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def _remat(fn, remat: str):
@@ -144,9 +180,16 @@ class Transformer(nnx.Module):
         self.loss_chunk = int(cfg.kernels.loss_chunk)
         self.n_dense = m.first_k_dense
         self.n_moe = m.n_layers - m.first_k_dense
+        # Pipeline stages (mesh.stage > 1): the MoE stack runs as a circular pipeline over train.micro_batches.
+        self.stages, self.virtual_stages = int(cfg.mesh.get("stage", 1)), int(cfg.mesh.get("virtual_stages", 1))
+        self.pipelined = self.stages > 1 and self.n_moe > 0
+        self.micro_batches = int(cfg.train.micro_batches)
         self.embed = Embed(m.vocab_size, m.d_model, rngs=rngs, std=m.init_std, param_dtype=pdt)
         self.dense_layers = _stacked_blocks(cfg, self.n_dense, moe=False, rngs=rngs) if self.n_dense else None
-        self.moe_layers = _stacked_blocks(cfg, self.n_moe, moe=True, rngs=rngs) if self.n_moe else None
+        self.moe_layers = (_stacked_blocks(cfg, self.n_moe, moe=True, rngs=rngs, in_pipeline=self.pipelined)
+                           if self.n_moe else None)
+        if self.pipelined and self.virtual_stages > 1:
+            _split_repeats(self.moe_layers, self.virtual_stages)
         self.final_norm = RMSNorm(m.d_model, eps=m.norm_eps, param_dtype=pdt)
         self.head_DxV = param(rngs, (m.d_model, m.vocab_size), ("embed", "vocab"), std=m.init_std, dtype=pdt)
         self.mtp = nnx.List([MTPModule(cfg, rngs=rngs) for _ in range(m.mtp_depth)])
@@ -159,7 +202,7 @@ class Transformer(nnx.Module):
         load = tokens_per_expert_LxE.astype(jnp.float32)
         step_LxE = rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
         bias = self.moe_layers.ffn.router.bias_E
-        bias[...] = bias[...] + step_LxE[: self.n_moe]
+        bias[...] = bias[...] + step_LxE[: self.n_moe].reshape(bias.shape)  # [V, L / V, E] with virtual stages
         for k, module in enumerate(self.mtp):
             mtp_bias = module.block.ffn.router.bias_E
             mtp_bias[...] = mtp_bias[...] + step_LxE[self.n_moe + k]
@@ -172,6 +215,8 @@ class Transformer(nnx.Module):
         """Logits in the compute dtype. With segment ids (packed documents), positions restart in each
         document and attention never crosses a document boundary."""
         out = self.hidden(tokens_BxL, segment_ids_BxL)
+        if self.pipelined and out.stats is not None:
+            out = out._replace(stats=combine_micro_stats(out.stats))
         mtp_logits = None if out.mtp_h_DxBxLxD is None else jnp.stack([self.logits(h) for h in out.mtp_h_DxBxLxD])
         return ModelOutput(self.logits(out.h_BxLxD), mtp_logits, out.stats)
 
@@ -190,19 +235,66 @@ class Transformer(nnx.Module):
         x_BxLxD = constrain(self.embed(tokens_BxL, self.dtype), ACT_BxLxD)
         if self.dense_layers is not None:
             x_BxLxD, _ = _run_stack(self.dense_layers, x_BxLxD, positions_BxL, segment_ids_BxL, self.remat)
+        if self.pipelined:
+            return self._pipelined(x_BxLxD, tokens_BxL, positions_BxL, segment_ids_BxL)
         stats = None
         if self.moe_layers is not None:
             x_BxLxD, stats = _run_stack(self.moe_layers, x_BxLxD, positions_BxL, segment_ids_BxL, self.remat)
-        h_final_BxLxD = self.final_norm(x_BxLxD)
+        mtp_h_DxBxLxD, mtp_stats = self._mtp(self.mtp, self.embed, x_BxLxD, tokens_BxL, positions_BxL,
+                                             segment_ids_BxL)
+        return HiddenOutput(self.final_norm(x_BxLxD), mtp_h_DxBxLxD, _stack_stats(stats, mtp_stats))
 
+    def _mtp(self, mtp, embed, h_BxLxD, tokens_BxL, positions_BxL, segment_ids_BxL):
+        """The MTP modules in sequence on the main model's last hidden state: ([depth, B, L, D] normed hidden
+        states or None, their MoE statistics)."""
         mtp_hidden, mtp_stats = [], []
-        h_BxLxD = x_BxLxD
         run = _remat(lambda mod, h, e, p, s: mod(h, e, p, s), self.remat)
-        for k, module in enumerate(self.mtp, start=1):
-            next_emb = self.embed(shift_left(tokens_BxL, k), self.dtype)
+        for k, module in enumerate(mtp, start=1):
+            next_emb = embed(shift_left(tokens_BxL, k), self.dtype)
             h_BxLxD, normed_BxLxD, s = run(module, h_BxLxD, next_emb, positions_BxL, segment_ids_BxL)
             mtp_hidden.append(normed_BxLxD)
             if s is not None:
                 mtp_stats.append(s)
-        return HiddenOutput(h_final_BxLxD, jnp.stack(mtp_hidden) if mtp_hidden else None,
-                            _stack_stats(stats, mtp_stats))
+        return (jnp.stack(mtp_hidden) if mtp_hidden else None), mtp_stats
+
+    def _pipelined(self, x_BxLxD, tokens_BxL, positions_BxL, segment_ids_BxL) -> HiddenOutput:
+        """The MoE stack as a circular pipeline over micro-batches (rows m, m + M, ...: parallel/pipeline.py),
+        then the MTP modules once per micro-batch, so every statistic is per pass: [M, rows, ...]."""
+        mesh = current_mesh()
+        if mesh is None or mesh.shape.get("stage", 1) != self.stages:
+            raise ValueError(f"this model was built for mesh.stage={self.stages} pipeline stages; run it under a "
+                             f"mesh with that stage axis (jax.set_mesh), not {None if mesh is None else mesh.shape}")
+        n_micro = self.micro_batches
+        side = {"positions": micro_batches(positions_BxL, n_micro)}
+        if segment_ids_BxL is not None:
+            side["segments"] = micro_batches(segment_ids_BxL, n_micro)
+        graphdef, state = nnx.split(self.moe_layers)
+        chunks = _as_chunks(state, self.stages, self.virtual_stages)
+
+        def stage_fn(chunk_state, x, side_m):
+            return _run_stack(nnx.merge(graphdef, chunk_state), x, side_m["positions"], side_m.get("segments"),
+                              self.remat)
+
+        x_MxBxLxD = micro_batches(x_BxLxD, n_micro)
+        one = jax.tree.map(lambda a: a[0], (x_MxBxLxD, side))
+        chunk_like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[2:], a.dtype), chunks)
+        stats_like = jax.eval_shape(stage_fn, chunk_like, *one)[1]
+        y_MxBxLxD, stats_VxSxMxC = circular_pipeline(stage_fn, chunks, x_MxBxLxD, mesh=mesh, axis="stage",
+                                                     n_repeats=self.virtual_stages, side_MxB=side, aux_like=stats_like)
+        # [V, S, M, C, ...] -> [M, L, ...] in layer order
+        stats_MxL = jax.tree.map(lambda a: jnp.moveaxis(a, 2, 0).reshape(n_micro, -1, *a.shape[4:]), stats_VxSxMxC)
+
+        def mtp_pass(mtp, embed, h, tokens, positions, segments):
+            mtp_h, mtp_stats = self._mtp(mtp, embed, h, tokens, positions, segments)
+            return mtp_h, _stack_stats(None, mtp_stats)
+
+        mtp_h_MxDx, mtp_stats_Mx = (None, None)
+        if len(self.mtp):  # once per micro-batch (nnx.scan with the modules broadcast), as accumulation runs it
+            mtp_h_MxDx, mtp_stats_Mx = nnx.scan(mtp_pass, in_axes=(None, None, 0, 0, 0, 0), out_axes=(0, 0))(
+                self.mtp, self.embed, y_MxBxLxD, micro_batches(tokens_BxL, n_micro), side["positions"],
+                side.get("segments"))
+        stats = stats_MxL if mtp_stats_Mx is None else jax.tree.map(
+            lambda a, b: jnp.concatenate([a, b], axis=1), stats_MxL, mtp_stats_Mx)
+        mtp_h_DxBxLxD = None if mtp_h_MxDx is None else jnp.stack(
+            [merge_micro_batches(mtp_h_MxDx[:, k]) for k in range(mtp_h_MxDx.shape[1])])
+        return HiddenOutput(self.final_norm(merge_micro_batches(y_MxBxLxD)), mtp_h_DxBxLxD, stats)

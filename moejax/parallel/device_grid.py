@@ -4,7 +4,9 @@ Pure Python on objects with `id` and `process_index` (real jax devices or test s
 can be checked for 144 devices without having them. The rule: `expert` and `tensor` (the axes whose
 collectives run every layer: all-to-all dispatch, tensor all-reduces) are laid out inside one domain;
 `data` and `fsdp` take the remaining positions inside a domain (fsdp first: its gathers run every layer,
-data's reduction once a step) and then span domains. The result depends only on the set of devices and
+data's reduction once a step) and then span domains. `stage` (pipeline stages: one activation hand-off per
+micro-batch and stage, point to point) is outermost: each stage takes whole domains, or, with more stages than
+domains, an equal piece of every domain that still holds whole expert groups. The result depends only on the set of devices and
 their domains, never on the order a process lists them in, so every process of a job builds the same mesh.
 """
 
@@ -35,14 +37,47 @@ def _by_domain(devices, domains) -> list[list]:
 
 def hybrid_device_grid(sizes: dict[str, int], devices, domains, *, allow_cross_domain: bool = False,
                        where: str = "") -> np.ndarray:
-    """Object array of shape [data, fsdp, expert, tensor] of the devices; expert x tensor groups inside one
-    domain. `where` names the topology in error messages."""
+    """Object array of shape [stage, data, fsdp, expert, tensor] of the devices; expert x tensor groups inside one
+    domain, stages across domains. `where` names the topology in error messages."""
     n = len(devices)
+    sizes = {"stage": 1, **sizes}  # a layout without pipeline stages may leave the axis out
     if math.prod(sizes[a] for a in MESH_AXES) != n:
         raise MeshLayoutError(f"mesh axes {sizes} multiply to {math.prod(sizes.values())}, not {n} devices")
+    stages = sizes["stage"]
+    inner_sizes = {a: s for a, s in sizes.items() if a != "stage"}
+    by_domain = _by_domain(devices, domains)
+    if stages == 1:
+        groups = [by_domain]
+    elif len(by_domain) % stages == 0:  # each stage takes whole domains
+        per_stage = len(by_domain) // stages
+        groups = [by_domain[i * per_stage:(i + 1) * per_stage] for i in range(stages)]
+    else:
+        groups = _stages_inside_domains(sizes, by_domain, where)
+    grids = [_stage_grid(inner_sizes, [d for g in group for d in g], [k for k, g in enumerate(group) for _ in g],
+                         allow_cross_domain=allow_cross_domain, where=where) for group in groups]
+    return np.stack(grids)
+
+
+def _stages_inside_domains(sizes, by_domain, where: str) -> list[list[list]]:
+    """More stages than domains (or a count the domains do not divide by): every domain is cut into equal pieces,
+    one per stage (its expert x tensor groups then lie inside one domain)."""
+    stages, n_domains, per_domain = sizes["stage"], len(by_domain), len(by_domain[0])
+    pieces = stages // n_domains if stages % n_domains == 0 else 0
+    if not pieces or per_domain % pieces or any(len(g) != per_domain for g in by_domain):
+        raise MeshLayoutError(
+            f"mesh.stage={stages} does not split {n_domains} NVLink domains of {per_domain} devices{where} into "
+            "equal stages: use a stage count that divides the domain count, or a multiple of it that divides "
+            "each domain")
+    piece = per_domain // pieces  # n / stages devices, which the expert x tensor groups divide (the axes' product)
+    return [[g[j * piece:(j + 1) * piece]] for g in by_domain for j in range(pieces)]
+
+
+def _stage_grid(sizes: dict[str, int], devices, domains, *, allow_cross_domain: bool, where: str) -> np.ndarray:
+    """One stage's devices as an object array [data, fsdp, expert, tensor]; expert x tensor groups inside one
+    domain."""
     by_domain = _by_domain(devices, domains)
     flat = [d for group in by_domain for d in group]
-    shape = tuple(sizes[a] for a in MESH_AXES)
+    shape = tuple(sizes[a] for a in MESH_AXES if a != "stage")
     inner = sizes["expert"] * sizes["tensor"]
     counts = sorted({len(g) for g in by_domain})
     per_domain = counts[0]

@@ -40,6 +40,8 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "expert_mlp": FFN_AXIS,
     "router_expert": None,  # the router's expert dim stays whole: every token scores every expert
     "layers": None,  # the scanned layer dim
+    "stage_layers": "stage",  # the pipelined MoE stack's layer dim: each stage holds its chunks
+    "repeat": None,  # virtual stages: the pipelined stack's leading [V] dim
     "norm": None,
 }
 

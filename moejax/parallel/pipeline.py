@@ -65,13 +65,16 @@ def from_chunks(tree):
     return jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1] * a.shape[2], *a.shape[3:]), tree)
 
 
-def circular_pipeline(stage_fn: Callable, params_VxSxC, x_MxB, *, mesh, axis: str, n_repeats: int, aux_like=None):
-    """Run `stage_fn(chunk_params, x_B) -> (y_B, aux)` over every chunk of layers for every micro-batch.
+def circular_pipeline(stage_fn: Callable, params_VxSxC, x_MxB, *, mesh, axis: str, n_repeats: int, side_MxB=None,
+                      aux_like=None):
+    """Run `stage_fn(chunk_params, x_B, side_B) -> (y_B, aux)` over every chunk of layers for every micro-batch.
 
     params_VxSxC: a tree of [V, S, per_chunk, ...] leaves (to_chunks of the layer stack); x_MxB: [M, ...]
-    micro-batches; aux: a tree of arrays summed over micro-batches per chunk (e.g. MoE expert loads per layer),
-    `aux_like` its zeros (or None). Returns (y_MxB: the last chunk's outputs, aux_VxSx...: the sums per chunk,
-    or None). Equal to applying the chunks in layer order to each micro-batch.
+    micro-batches of activations; side_MxB: a tree of per-micro-batch inputs each stage reads for the micro-batch it
+    works on (positions, segment ids) or None; aux: a tree of per-chunk outputs kept per micro-batch (e.g. MoE
+    statistics per layer), `aux_like` one chunk's (shapes and dtypes) or None. Returns (y_MxB: the last chunk's
+    outputs, aux_VxSxMx...: each chunk's aux for each micro-batch, or None). Equal to applying the chunks in layer
+    order to each micro-batch.
     """
     n_stages = mesh.shape[axis]
     n_micro = x_MxB.shape[0]
@@ -87,6 +90,12 @@ def circular_pipeline(stage_fn: Callable, params_VxSxC, x_MxB, *, mesh, axis: st
         spec = [P.UNCONSTRAINED] * a.ndim
         spec[dim] = axis
         return lax.with_sharding_constraint(a, NamedSharding(mesh, P(*spec)))
+
+    def keep(acc_VxM, a, r, m, busy):
+        """acc[r, m] = a on a busy tick (each (repeat, micro-batch) comes once per stage)."""
+        row_M = _index(acc_VxM, r)
+        row_M = jnp.where(busy, lax.dynamic_update_index_in_dim(row_M, a, m, 0), row_M)
+        return lax.dynamic_update_index_in_dim(acc_VxM, row_M, r, 0)
 
     def tick(carry, t):
         state_SxB, wait_MxB, out_MxB, aux_VxS = carry
@@ -105,25 +114,36 @@ def circular_pipeline(stage_fn: Callable, params_VxSxC, x_MxB, *, mesh, axis: st
         in_SxB = split(state_SxB.at[0].set(first_B))
         chunk_SxC = by_stage(lambda p_VxC, r: jax.tree.map(lambda a: _index(a, r), p_VxC), in_axes=(1, 0))(
             params_VxSxC, repeat_S)
-        y_SxB, aux_S = by_stage(stage_fn)(chunk_SxC, in_SxB)
+        side_SxB = jax.tree.map(lambda a: split(a[micro_S]), side_MxB)
+        y_SxB, aux_S = by_stage(stage_fn)(chunk_SxC, in_SxB, side_SxB)
         y_SxB = split(y_SxB)
 
         last = n_stages - 1
         done = busy_S[last] & (repeat_S[last] == n_repeats - 1)
         out_MxB = jnp.where(done, lax.dynamic_update_index_in_dim(out_MxB, y_SxB[last], micro_S[last], 0), out_MxB)
         if with_aux:
-            add = lambda acc_V, a, r, busy: jnp.where(  # noqa: E731
-                busy, lax.dynamic_update_index_in_dim(acc_V, _index(acc_V, r) + a, r, 0), acc_V)
-            aux_VxS = jax.tree.map(lambda acc, a: by_stage(add, in_axes=(1, 0, 0, 0), out_axes=1)(
-                acc, a, repeat_S, busy_S), aux_VxS, aux_S)
+            aux_VxS = jax.tree.map(lambda acc, a: by_stage(keep, in_axes=(1, 0, 0, 0, 0), out_axes=1)(
+                acc, a, repeat_S, micro_S, busy_S), aux_VxS, aux_S)
         return (split(jnp.roll(y_SxB, 1, axis=0)), wait_MxB, out_MxB, aux_VxS), None
 
     state_SxB = split(jnp.zeros((n_stages, *x_MxB.shape[1:]), x_MxB.dtype))
-    aux_VxS = jax.tree.map(lambda a: jnp.zeros((n_repeats, n_stages, *a.shape), a.dtype), aux_like)
+    aux_VxS = jax.tree.map(lambda a: jnp.zeros((n_repeats, n_stages, n_micro, *a.shape), a.dtype), aux_like)
     init = (state_SxB, jnp.zeros_like(x_MxB), jnp.zeros_like(x_MxB), aux_VxS)
     ticks = jnp.arange(schedule_ticks(n_stages, n_micro, n_repeats), dtype=jnp.int32)
     (_, _, out_MxB, aux_VxS), _ = lax.scan(tick, init, ticks)
     return out_MxB, (aux_VxS if with_aux else None)
+
+
+def micro_batches(x_BxN, n: int):
+    """[B, ...] -> [n, B/n, ...], micro-batch m = rows m, m + n, m + 2n, ...: with the batch dim split in contiguous
+    blocks over devices (and n dividing each block), every micro-batch keeps an equal share on every device, so
+    slicing one out moves no data."""
+    return None if x_BxN is None else x_BxN.reshape(x_BxN.shape[0] // n, n, *x_BxN.shape[1:]).swapaxes(0, 1)
+
+
+def merge_micro_batches(x_MxBxN):
+    """The inverse of micro_batches: [n, B/n, ...] -> [B, ...] in the original row order."""
+    return x_MxBxN.swapaxes(0, 1).reshape(x_MxBxN.shape[0] * x_MxBxN.shape[1], *x_MxBxN.shape[2:])
 
 
 def _index(a, i):

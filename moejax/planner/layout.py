@@ -18,6 +18,7 @@ class Layout:
     remat: str  # none | dots | full
     micro_batch: int  # sequences per device per forward/backward pass
     dispatch: str  # capacity | allgather | dropless
+    stage: int = 1  # pipeline stages (the planner does not search them yet)
 
     @property
     def sizes(self) -> dict[str, int]:

@@ -11,8 +11,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from moejax.model.loss import lm_loss, target_mask
-from moejax.model.moe import exact_dispatch
+from moejax.model.moe import combine_micro_stats, exact_dispatch
 from moejax.parallel.mesh import batch_sharding
+from moejax.parallel.pipeline import micro_batches
 from moejax.program.optim import apply_learning_rate, lr_schedule
 from moejax.program.state import TrainState
 
@@ -51,13 +52,6 @@ def _unpack(batch):
     return batch, None
 
 
-def _micro(x_BxL, n: int):
-    """[B, ...] -> [n, B/n, ...], micro-batch m = rows m, m + n, m + 2n, ...: with the batch dim split in contiguous
-    blocks over devices (and n dividing each block), every micro-batch keeps an equal share on every device, so
-    slicing one out moves no data."""
-    return None if x_BxL is None else x_BxL.reshape(x_BxL.shape[0] // n, n, *x_BxL.shape[1:]).swapaxes(0, 1)
-
-
 def _valid_targets_H(segments_BxL1, n_heads: int):
     """[heads] count of the targets each head is trained on (main head, then MTP depths 1..D): the loss's own
     masks (another document, past the row end)."""
@@ -70,7 +64,7 @@ def _accumulate(state, graphdef, tokens_BxL1, segments_BxL1, mtp_weight, mtp_dep
     of them (packed documents leave micro-batches with unequal counts); the balance losses, defined per pass,
     are averaged; expert loads are summed (the bias update sees the whole step's load)."""
     segments_BxL1 = jnp.zeros_like(tokens_BxL1) if segments_BxL1 is None else segments_BxL1
-    tokens_NxBxL1, segments_NxBxL1 = _micro(tokens_BxL1, n), _micro(segments_BxL1, n)
+    tokens_NxBxL1, segments_NxBxL1 = micro_batches(tokens_BxL1, n), micro_batches(segments_BxL1, n)
     n_heads = 1 + mtp_depth
     counts_NxH = jax.vmap(lambda seg: _valid_targets_H(seg, n_heads))(segments_NxBxL1)
     share_NxH = counts_NxH / jnp.maximum(jnp.sum(counts_NxH, axis=0), 1.0)
@@ -91,11 +85,7 @@ def _accumulate(state, graphdef, tokens_BxL1, segments_BxL1, mtp_weight, mtp_dep
     zeros = jax.tree.map(jnp.zeros_like, state.params)
     grads, (loss_N, ce_N, stats, parts) = jax.lax.scan(body, zeros, (tokens_NxBxL1, segments_NxBxL1, share_NxH))
     if stats is not None:
-        stats = stats._replace(**{k: jnp.mean(v, axis=0) for k, v in stats._asdict().items()
-                                  if k not in ("tokens_per_expert_E", "dropped", "assignments", "dropless_rounds")},
-                               dropless_rounds=jnp.max(stats.dropless_rounds, axis=0),
-                               tokens_per_expert_E=jnp.sum(stats.tokens_per_expert_E, axis=0),
-                               dropped=jnp.sum(stats.dropped, axis=0), assignments=jnp.sum(stats.assignments, axis=0))
+        stats = combine_micro_stats(stats)
     parts = parts._replace(stats=None, ce=jnp.sum(share_NxH[:, 0] * ce_N), aux=jnp.mean(parts.aux, axis=0),
                            mtp_ce_D=jnp.sum(share_NxH[:, 1:] * parts.mtp_ce_D, axis=0))
     return jnp.sum(loss_N), parts.ce, stats, parts, grads
@@ -162,7 +152,8 @@ def jit_train_step(cfg, graphdef, tx, mesh: Mesh, shardings):
                            bias_rate=float(cfg.moe.bias_update_rate), mtp_weight=float(cfg.model.mtp_loss_weight),
                            mtp_depth=int(cfg.model.mtp_depth),
                            nan_steps=parse_steps(cfg.guards.inject_nan_steps),
-                           micro_batches=int(cfg.train.micro_batches))
+                           # pipeline stages: the model runs the micro-batches through its stages in one pass
+                           micro_batches=1 if int(cfg.mesh.get("stage", 1)) > 1 else int(cfg.train.micro_batches))
     return jax.jit(fn, in_shardings=(shardings, batch_sharding(mesh)),
                    out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=0)
 

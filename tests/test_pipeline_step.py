@@ -1,0 +1,93 @@
+"""Pipeline stages in the training step: one step of a DeepSeek-style model (dense first layer, MoE layers with
+shared + routed experts, MTP depth 1) with its MoE layers on PP 2 / PP 4 stages, with and without virtual stages,
+expert (and data) parallelism inside every stage, equals the same step on one device with gradient accumulation over
+the same micro-batches: losses, gradient norm, expert loads, every parameter after the update, router bias. f32,
+fresh random tokens per case. Also the config errors a pipeline layout can hit."""
+
+import jax
+import numpy as np
+import pytest
+
+from moejax.config import ConfigError, validate
+from moejax.parallel.device_grid import MeshLayoutError, hybrid_device_grid
+from tests.test_train_step import one_step, small_config
+
+
+def pipeline_config(dispatch: str, micro: int):
+    cfg = small_config()
+    cfg.model.n_layers, cfg.model.first_k_dense = 9, 1  # 8 MoE layers: 2 or 4 stages x 1 or 2 virtual stages
+    cfg.model.mtp_depth, cfg.model.mtp_loss_weight = 1, 0.3
+    cfg.moe.n_shared_experts = 1
+    cfg.moe.dispatch = dispatch
+    cfg.train.micro_batches = micro
+    return cfg
+
+
+@pytest.mark.parametrize("stages,virtual,micro,axes,dispatch", [
+    (2, 1, 2, {"data": 2, "expert": 2}, "capacity"),
+    (2, 2, 4, {"expert": 2, "tensor": 2}, "capacity"),
+    (4, 1, 4, {"expert": 2}, "allgather"),
+    (4, 2, 4, {"expert": 2}, "capacity"),
+])
+def test_pipelined_step_equals_one_device(devices, stages, virtual, micro, axes, dispatch):
+    tokens = np.random.default_rng(100 * stages + 10 * virtual + micro).integers(0, 259, size=(8, 17), dtype=np.int32)
+    single = pipeline_config(dispatch, micro)
+    single.mesh.data = 1
+    params_1, state_1, metrics_1 = one_step(single, devices[:1], tokens)
+    piped = pipeline_config(dispatch, micro)
+    piped.mesh.stage, piped.mesh.virtual_stages, piped.mesh.data = stages, virtual, 1
+    for axis, size in axes.items():
+        piped.mesh[axis] = size
+    params_p, state_p, metrics_p = one_step(piped, devices, tokens)
+
+    for key in ("loss", "total_loss", "mtp_loss", "grad_norm", "aux_loss", "seq_aux_loss"):
+        np.testing.assert_allclose(metrics_p[key], metrics_1[key], rtol=2e-5, err_msg=key)
+    np.testing.assert_array_equal(metrics_p["tokens_per_expert"], metrics_1["tokens_per_expert"])
+    assert np.asarray(metrics_1["tokens_per_expert"]).sum() == 9 * 8 * 16 * 2  # 8 MoE layers + MTP, tokens x k
+    flat_1 = dict(jax.tree_util.tree_leaves_with_path(params_1))
+    for path, p in jax.tree_util.tree_leaves_with_path(params_p):
+        want = flat_1[path]  # virtual stages store the MoE stack as [V, L / V, ...]: same element order
+        np.testing.assert_allclose(np.reshape(p, want.shape), want, rtol=1e-5, atol=1e-6,
+                                   err_msg=jax.tree_util.keystr(path))
+    bias_1 = state_1["moe_layers"]["ffn"]["router"]["bias_E"]
+    np.testing.assert_array_equal(np.reshape(state_p["moe_layers"]["ffn"]["router"]["bias_E"], bias_1.shape), bias_1)
+    assert np.abs(bias_1).max() > 0
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"mesh.stage": 3}, "chunks do not split the 8 MoE layers"),
+    ({"mesh.stage": 2, "mesh.virtual_stages": 3}, "chunks do not split the 8 MoE layers"),
+    ({"mesh.stage": 4, "train.micro_batches": 2}, "train.micro_batches=2 is fewer than mesh.stage=4"),
+    ({"mesh.virtual_stages": 2}, "needs pipeline stages"),
+    ({"mesh.stage": -1, "mesh.data": 1}, "set the pipeline stage count explicitly"),
+    ({"mesh.stage": 2, "moe.dispatch": "dropless"}, "dropless dispatch does not run inside pipeline stages"),
+])
+def test_pipeline_config_errors(change, message):
+    cfg = pipeline_config("capacity", 4)
+    cfg.mesh.data = 1
+    cfg.mesh.expert = 2
+    for key, value in change.items():
+        group, field = key.split(".")
+        cfg[group][field] = value
+    n = 2 * max(1, cfg.mesh.stage)
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg, n if cfg.mesh.stage != -1 else 8)
+
+
+class _Dev:
+    def __init__(self, i):
+        self.id, self.process_index = i, i // 4
+
+
+def test_stages_take_whole_domains_or_pieces_that_hold_expert_groups():
+    devices = [_Dev(i) for i in range(16)]
+    two_domains = [d.id // 8 for d in devices]
+    grid = hybrid_device_grid({"stage": 2, "data": 2, "fsdp": 1, "expert": 4, "tensor": 1}, devices, two_domains)
+    assert grid.shape == (2, 2, 1, 4, 1)
+    assert {d.id // 8 for d in grid[0].ravel()} == {0} and {d.id // 8 for d in grid[1].ravel()} == {1}
+    # four stages over two domains of 8: each stage a half domain, whose 4 devices hold an expert group of 4
+    grid = hybrid_device_grid({"stage": 4, "data": 1, "fsdp": 1, "expert": 4, "tensor": 1}, devices, two_domains)
+    assert all(len({d.id // 8 for d in grid[s].ravel()}) == 1 for s in range(4))
+    with pytest.raises(MeshLayoutError, match="mesh.stage=3 does not split 2 NVLink domains"):
+        hybrid_device_grid({"stage": 3, "data": 2, "fsdp": 1, "expert": 2, "tensor": 1}, devices[:12],
+                           [d.id // 6 for d in devices[:12]])
