@@ -3,7 +3,7 @@
 #   make test    -> virtualenv, install with test extras, run the suite on the emulated 8-device mesh
 # CI also runs `make test-newest`: the suite on the newest jax, which needs Python >= 3.12 (PY_NEWEST), and
 # `make test-gpu`: the training step compiled for 8 H200s with XLA:GPU (no GPU needed), asserted on, and
-# `make test-fp8`: FP8 training (mesh = one device, resume, DeepSeek-V3-small 200 steps bf16 vs FP8 within 4%).
+# `make test-fp8`: FP8 training (mesh = one device, resume, DeepSeek-V3-small 200 steps bf16 vs blockwise FP8 within 4%).
 PY ?= python3
 VENV ?= .venv
 PY_NEWEST ?= $(shell for p in python3.13 python3.12 $$HOME/.pyenv/versions/3.12*/bin/python; do "$$p" -c 'import sys; assert sys.version_info >= (3, 12)' >/dev/null 2>&1 && { command -v "$$p"; break; }; done)

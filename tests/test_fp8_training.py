@@ -1,6 +1,7 @@
 """FP8 training, the slow part (`make test-fp8`, in CI; each test minutes of CPU): an FP8 step on a mesh equals
 one device, an FP8 run resumes bit for bit, the planner's FP8 term, and the shipped DeepSeek-V3-small run (200 steps
-on the embedded corpus, bf16 compute) trained in bf16, blockwise FP8 and MXFP8. The training comparison uses the mean
+on the embedded corpus, bf16 compute) trained in bf16 and blockwise FP8 (MXFP8's run is the benchmark's, README). The
+training comparison uses the mean
 loss of the last 50 steps (every step logged) and the held-out loss; its bounds (4% / 5%) catch a broken recipe (a
 wrong scale is tens of percent), not the issue's 1-2% goal, which two trajectories of a 200-step run do not resolve:
 measured in a fresh clone 2026-12-04, blockwise +2.38% (held-out +3.47%), mxfp8 +0.59% (+0.41%); an earlier
@@ -105,13 +106,15 @@ def test_fp8_run_resumes_bitwise(tmp_path):
 
 def test_deepseek_v3_small_trains_in_fp8_within_2_percent_of_bf16(tmp_path):
     out = tmp_path / "fp8_convergence.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/fp8_convergence.py"), "--json", str(out)],
+    # bf16 and blockwise only: a third 200-step run (mxfp8, +0.6% measured) would add ~7 minutes to CI's budget.
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/fp8_convergence.py"), "--formats", "none,blockwise",
+                           "--json", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=3600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     print(proc.stdout)
     runs = {r["format"]: r for r in json.loads(out.read_text())["runs"]}
-    assert set(runs) == {"none", "blockwise", "mxfp8"}
+    assert set(runs) == {"none", "blockwise"}
     assert runs["none"]["final_loss"] < 3.0  # the bf16 run itself learned (4.1 at step 10)
-    for fmt in ("blockwise", "mxfp8"):
+    for fmt in ("blockwise",):
         assert abs(runs[fmt]["gap_vs_bf16"]) < 0.04, runs[fmt]
         assert runs[fmt]["eval_gap_vs_bf16"] < 0.05, runs[fmt]
