@@ -3,7 +3,8 @@
 #   make test    -> virtualenv, install with test extras, run the suite on the emulated 8-device mesh
 # CI also runs `make test-newest`: the suite on the newest jax, which needs Python >= 3.12 (PY_NEWEST), and
 # `make test-gpu`: the training step compiled for 8 H200s with XLA:GPU (no GPU needed), asserted on, and
-# `make test-fp8`: FP8 training (mesh = one device, resume, DeepSeek-V3-small 200 steps bf16 vs blockwise FP8 within 4%).
+# `make test-fp8`: FP8 training (mesh = one device, resume, DeepSeek-V3-small 200 steps bf16 vs blockwise FP8 within 4%),
+# `make test-pipeline`: pipelined training steps (PP 2/4 x VP 1/2) equal to one device, checkpoints across stage counts.
 PY ?= python3
 VENV ?= .venv
 PY_NEWEST ?= $(shell for p in python3.13 python3.12 $$HOME/.pyenv/versions/3.12*/bin/python; do "$$p" -c 'import sys; assert sys.version_info >= (3, 12)' >/dev/null 2>&1 && { command -v "$$p"; break; }; done)
@@ -53,7 +54,10 @@ test-gpu: $(VENV_GPU)/.installed
 test-fp8: $(VENV)/.installed
 	MOEJAX_FP8_TRAINING=1 $(VENV)/bin/python -m pytest -q -s tests/test_fp8_training.py
 
+test-pipeline: $(VENV)/.installed
+	MOEJAX_PIPELINE_STEP=1 $(VENV)/bin/python -m pytest -n 2 -q tests/test_pipeline_step.py
+
 bench: $(VENV)/.installed
 	$(VENV)/bin/python benchmarks/train_step.py --config $(CONFIG)
 
-.PHONY: install train test test-newest test-gpu test-fp8 bench
+.PHONY: install train test test-newest test-gpu test-fp8 test-pipeline bench

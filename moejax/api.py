@@ -240,12 +240,13 @@ def dry_run(cfg, n_devices: int | None = None, target: str | None = None) -> dic
 
 
 def plan(cfg, *, topology: str, gpus: Sequence[int], efficiency: float = 0.5, domain_size: int = 0,
-         remats: Sequence[str] = REMAT_POLICIES, dispatches: Sequence[str] | None = None, top: int = 5) -> dict:
+         remats: Sequence[str] = REMAT_POLICIES, dispatches: Sequence[str] | None = None, top: int = 5,
+         candidates: Sequence[str] = ()) -> dict:
     """`moejax-plan --topology T --gpus N,...`: the layouts that fit at each GPU count, ranked by predicted
     step time, with the scaling between counts and the assumptions made. Nothing is compiled."""
     from moejax.config import DISPATCH_MODES
     from moejax.parallel.topology import get_topology
-    from moejax.planner.search import plan as search
+    from moejax.planner.search import parse_layout, plan as search
 
     topo = get_topology(topology)
     gpus = [int(g) for g in gpus]
@@ -256,5 +257,8 @@ def plan(cfg, *, topology: str, gpus: Sequence[int], efficiency: float = 0.5, do
     for name, values, allowed in (("remat", remats, REMAT_POLICIES), ("dispatch", dispatches or (), DISPATCH_MODES)):
         if bad := [v for v in values if v not in allowed]:
             raise InputError(f"{name}: {bad[0]!r} is not one of {', '.join(allowed)}")
+    layouts = tuple(parse_layout(c) for c in candidates)  # e.g. "pp=2,vp=8,ep=32,data=4,remat=full,mb=1"
+    if bad := [c for c, lay in zip(candidates, layouts) if lay.n_devices not in gpus]:
+        raise InputError(f"layout {bad[0]!r} uses a GPU count not in gpus={gpus}")
     return search(cfg, topo, gpus, efficiency=efficiency, domain_size=domain_size, remats=tuple(remats),
-                  dispatches=tuple(dispatches) if dispatches else None, top=top)
+                  dispatches=tuple(dispatches) if dispatches else None, top=top, candidates=layouts)

@@ -4,6 +4,8 @@ expert (and data) parallelism inside every stage, equals the same step on one de
 the same micro-batches: losses, gradient norm, expert loads, every parameter after the update, router bias. f32,
 fresh random tokens per case. Also the config errors a pipeline layout can hit."""
 
+import os
+
 import jax
 import numpy as np
 import pytest
@@ -11,6 +13,12 @@ import pytest
 from moejax.config import ConfigError, validate
 from moejax.parallel.device_grid import MeshLayoutError, hybrid_device_grid
 from tests.test_train_step import one_step, small_config
+
+# The equivalence steps and the checkpoint run compile a pipelined model each (minutes of CPU in all, beyond the CPU
+# suites' 15-minute budget): `make test-pipeline` (MOEJAX_PIPELINE_STEP=1) runs them; the config and placement errors
+# below run everywhere.
+slow_pipeline = pytest.mark.skipif(os.environ.get("MOEJAX_PIPELINE_STEP") != "1",
+                                   reason="minutes of CPU: `make test-pipeline` (MOEJAX_PIPELINE_STEP=1) runs it")
 
 
 def pipeline_config(dispatch: str, micro: int):
@@ -23,6 +31,7 @@ def pipeline_config(dispatch: str, micro: int):
     return cfg
 
 
+@slow_pipeline
 @pytest.mark.parametrize("stages,virtual,micro,axes,dispatch", [
     (2, 1, 2, {"data": 2, "expert": 2}, "capacity"),
     (2, 2, 4, {"expert": 2, "tensor": 2}, "capacity"),
@@ -91,3 +100,26 @@ def test_stages_take_whole_domains_or_pieces_that_hold_expert_groups():
     with pytest.raises(MeshLayoutError, match="mesh.stage=3 does not split 2 NVLink domains"):
         hybrid_device_grid({"stage": 3, "data": 2, "fsdp": 1, "expert": 2, "tensor": 1}, devices[:12],
                            [d.id // 6 for d in devices[:12]])
+
+
+@slow_pipeline
+def test_checkpoint_restores_onto_another_stage_count(tmp_path):
+    """A run on 2 pipeline stages (2 micro-batches) saves at step 10; resumed on no stages (gradient accumulation
+    over the same 2 micro-batches, the same 8 devices as data x expert) it redoes steps 11-20 with the losses of the
+    run that stayed pipelined (f32, 1e-5 relative: the same step computed on two layouts)."""
+    import shutil
+
+    from tests.test_resume import losses, records, run
+    piped = ["--config.model.n_layers=3", "--config.train.micro_batches=2", "--config.train.steps=20",
+             "--config.moe.dispatch=capacity"]
+    workdir = tmp_path / "run"
+    proc = run(workdir, *piped, "--config.mesh.stage=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want = losses(workdir)
+    shutil.rmtree(workdir / "checkpoints" / "20")
+    proc = run(workdir, *piped, "--config.mesh.stage=1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed at step 10" in proc.stdout
+    redone = records(workdir)[20:]
+    assert [r["step"] for r in redone] == list(range(11, 21))
+    np.testing.assert_allclose([r["loss"] for r in redone], [want[r["step"]] for r in redone], rtol=1e-5)

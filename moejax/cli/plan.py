@@ -33,6 +33,9 @@ flags.DEFINE_integer("domain_size", 0, "GPUs used per NVLink domain (0: whole do
 flags.DEFINE_string("remat", "none,dots,full", "remat policies to consider", flag_values=FLAGS)
 flags.DEFINE_string("dispatch", None, "dispatch modes to consider (default: the config's)", flag_values=FLAGS)
 flags.DEFINE_integer("top", 5, "layouts to show per GPU count", flag_values=FLAGS)
+flags.DEFINE_multi_string("layout", [], "a layout to rank among the searched ones and explain, e.g. NVIDIA's "
+                          "record: pp=2,vp=8,ep=32,data=4,remat=full,mb=1 (fields: data fsdp expert|ep tensor|tp "
+                          "stage|pp virtual|vp remat mb dispatch; unnamed axes 1)", flag_values=FLAGS)
 
 PROG = "moejax-plan"
 
@@ -107,7 +110,8 @@ def _layouts(cfg) -> dict:
     remats = tuple(r.strip() for r in FLAGS.remat.split(",") if r.strip())
     dispatches = tuple(d.strip() for d in FLAGS.dispatch.split(",")) if FLAGS.dispatch else None
     return api.plan(cfg, topology=FLAGS.topology, gpus=gpus, efficiency=FLAGS.efficiency,
-                    domain_size=FLAGS.domain_size, remats=remats, dispatches=dispatches, top=FLAGS.top)
+                    domain_size=FLAGS.domain_size, remats=remats, dispatches=dispatches, top=FLAGS.top,
+                    candidates=FLAGS.layout)
 
 
 def _fixed(mesh_cfg) -> int:

@@ -56,6 +56,15 @@ def macs_per_token(cfg, seq_len: int) -> float:
             + n_moe * moe_ffn + mtp_extra + heads)
 
 
+def pipelined_macs_fraction(cfg, seq_len: int) -> float:
+    """The share of macs_per_token in the decoder's MoE layers: what pipeline stages split (mesh.stage > 1); the
+    embedding, the first-k dense layers, MTP and the heads run outside the pipeline."""
+    m, e = cfg.model, cfg.moe
+    n_moe = m.n_layers - m.first_k_dense
+    per_layer = _attention_macs_per_token(m, seq_len) + 3 * m.d_model * e.d_ff_expert * (e.top_k + e.n_shared_experts)
+    return n_moe * per_layer / macs_per_token(cfg, seq_len)
+
+
 def fp8_macs_fraction(cfg, seq_len: int) -> float:
     """The share of macs_per_token that model.fp8 runs in FP8: the attention projections, dense / shared / routed
     FFNs and the MTP projection; not the attention core, the LM heads or the counted norms. 0 without FP8."""

@@ -62,6 +62,7 @@ class ActivationBytes:
     saved: int  # kept by the forward for the backward, all layers (policy's residuals, log-softmax excluded)
     layer: int  # one block's rematerialised internals during its backward
     logits: int  # the loss over the vocabulary (logits, log-softmax, one head's gradient)
+    moe_layer: int = 0  # of `saved`: what one MoE block keeps (the scan stacks it per layer; pipeline stages per tick)
 
     @property
     def transient(self) -> int:
@@ -69,11 +70,14 @@ class ActivationBytes:
 
 
 def trace_config(cfg, *, remat: str, dispatch: str | None = None, platform: str = "gpu"):
-    """The config as traced: the remat policy and dispatch mode of the layout, and a routed-expert kernel with
+    """The config as traced (without pipeline stages): the remat policy and dispatch mode of the layout, and a routed-expert kernel with
     the residuals of the one `auto` resolves to on the platform (a ragged grouped GEMM for dropless on GPU)."""
     c = cfg.copy_and_resolve_references()
     with c.unlocked():
         c.model.remat = remat
+        # Traced without pipeline stages (no mesh here): the planner takes the per-block terms and places them on
+        # the schedule's ticks itself (planner/memory.py).
+        c.mesh.stage, c.mesh.virtual_stages = 1, 1
         if dispatch:
             c.moe.dispatch = dispatch
         # (FP8 expert GEMMs are einsums on every platform: kernels/resolve.py)
@@ -189,6 +193,7 @@ def activation_terms(cfg, micro_batch: int, seq_len: int, remat: str, *, tensor:
     if ep > 1:
         saved += n_moe_blocks * (_bytes(_block(key, True, micro_batch, seq_len, ep, remat), d_model, ep, tensor)
                                  - _bytes(_block(key, True, micro_batch, seq_len, 1, remat), d_model, 1, tensor))
+    moe_layer = _bytes(_block(key, True, micro_batch, seq_len, ep, remat), d_model, ep, tensor) if n_moe_blocks else 0
     layer = 0
     kinds = [False] * (int(m.first_k_dense) > 0) + [True] * (int(m.n_layers) > int(m.first_k_dense))
     if remat != "none":
@@ -208,4 +213,4 @@ def activation_terms(cfg, micro_batch: int, seq_len: int, remat: str, *, tensor:
         # before its cast (measured on compiled steps), XLA:GPU fuses those into the gradient.
         per_element = 4 + act + (0 if platform == "gpu" else 4 + 4)
         logits = micro_batch * min(int(c.kernels.loss_chunk), seq_len) * vocab * per_element
-    return ActivationBytes(saved, layer, logits)
+    return ActivationBytes(saved, layer, logits, moe_layer)

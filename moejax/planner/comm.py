@@ -17,6 +17,11 @@ The rules, per step (n_micro passes of forward + backward; layers' collectives r
   tensor           a weight whose input dim is split over tensor (row-parallel) all-reduces its output in the
                    forward (and its recompute); one whose output dim is split (column-parallel) all-reduces
                    its input gradient in the backward. Rows: the device's tokens, or E*C for expert weights
+  pipeline stages  (layout.stage > 1, parallel/pipeline.py) each of the M V + S - 1 ticks runs one chunk of L / (S V)
+                   MoE layers per stage and hands one micro-batch's activations to the next stage (collective-
+                   permute over `stage`, forward and backward); the MoE stack's collectives above run per tick
+                   for a chunk; the rest of the model runs the whole local batch in one pass and every gradient
+                   is summed once per step
 Small collectives (losses, norms, router statistics: O(experts) floats) are left out.
 Each collective carries the element type it moves at the model's dtypes (HLO names: bf16, f32, s32), which is
 what a GPU moves; XLA:CPU widens bf16 collectives to f32 (see parallel/hlo_collectives.py).
@@ -31,7 +36,8 @@ import jax.numpy as jnp
 
 from moejax.parallel.dispatch import capacity_per_expert
 from moejax.parallel.mesh import BATCH_AXES
-from moejax.planner.layout import Layout, in_domain_factors
+from moejax.parallel.pipeline import schedule_ticks
+from moejax.planner.layout import Layout, in_domain_factors, layout_config
 from moejax.planner.state_shapes import state_leaves
 
 
@@ -78,16 +84,27 @@ def step_traffic(cfg, layout: Layout, seq_len: int | None = None) -> list[Traffi
     m, e = cfg.model, cfg.moe
     act = jnp.dtype(m.dtype).itemsize
     act_t, param_t = hlo_type(m.dtype), hlo_type(m.param_dtype)
-    n_micro = max(1, cfg.train.global_batch // layout.batch_shards // layout.micro_batch)
+    n_micro = layout.n_micro(int(cfg.train.global_batch))
     tokens = layout.micro_batch * seq  # per device per pass
     recompute = layout.remat != "none"
-    n_moe = int(m.n_layers) - int(m.first_k_dense) + int(m.get("mtp_depth", 0))
+    n_decoder_moe = int(m.n_layers) - int(m.first_k_dense)
+    n_moe = n_decoder_moe + int(m.get("mtp_depth", 0))
+    piped = layout.stage > 1
+    ticks = schedule_ticks(layout.stage, n_micro, layout.virtual) if piped else 0
+    per_chunk = n_decoder_moe // (layout.stage * layout.virtual) if piped else 0
+    # MoE layer executions per device per step: a stage runs one chunk per tick (idle ticks compute too).
+    moe_runs = (per_chunk * ticks + (n_moe - n_decoder_moe) * n_micro) if piped else n_moe * n_micro
+    grad_sums = 1 if piped else n_micro  # the pipelined step takes one pass over the local batch
     out: list[Traffic] = []
+
+    if piped:  # the ring: one micro-batch slice to the next stage per tick, and its cotangent back
+        out.append(Traffic("collective-permute", ("stage",), tokens * int(m.d_model) * act, 2 * ticks,
+                           "pipeline hand-off", act_t))
 
     # Expert dispatch.
     ep, k, n_exp, d = layout.expert, int(e.top_k), int(e.n_routed_experts), int(m.d_model)
     if ep > 1 and n_moe:
-        passes = (4 + 2 * recompute) * n_moe * n_micro
+        passes = (4 + 2 * recompute) * moe_runs
         if layout.dispatch == "capacity":
             cap = capacity_per_expert(tokens, k, n_exp, float(e.capacity_factor))
             out.append(Traffic("all-to-all", ("expert",), n_exp * cap * d * act, passes, "expert dispatch/combine",
@@ -97,25 +114,28 @@ def step_traffic(cfg, layout: Layout, seq_len: int | None = None) -> list[Traffi
                                "expert dispatch/combine (ragged)", act_t))
         else:
             gathered = ep * tokens
-            per = (2 + recompute) * n_moe * n_micro  # forward (+ recompute) and the transposes
+            per = (2 + recompute) * moe_runs  # forward (+ recompute) and the transposes
             out.append(Traffic("all-gather", ("expert",), gathered * d * act, per, "expert group's tokens", act_t))
             out.append(Traffic("all-gather", ("expert",), gathered * 4 * k, per, "expert group's routing ids", "s32"))
             out.append(Traffic("all-gather", ("expert",), gathered * 4 * k, per, "expert group's routing weights",
                                "f32"))
             out.append(Traffic("reduce-scatter", ("expert",), gathered * d * act, per, "expert outputs", act_t))
 
-    params, _, _ = state_leaves(cfg)
+    params, _, _ = state_leaves(layout_config(cfg, layout))
     tp = layout.tensor
     for leaf in params:
         f = sizes["fsdp"] if leaf.sharded_over("fsdp") else 1
         shard = leaf.local_bytes(sizes)
+        # A pipelined leaf is gathered a chunk (1 / V of the stage's layers) per tick; any other once per pass.
+        passes, piece = (ticks, layout.virtual) if leaf.pipelined else (n_micro, 1)
         if f > 1:
-            gathers = (2 if leaf.stacked else 1) * n_micro
+            gathers = (2 if leaf.stacked else 1) * passes
             if leaf.expert:  # cast, then gathered inside the dispatch shard_map: compute-dtype bytes
-                out.append(Traffic("all-gather", ("fsdp",), shard * f * act // leaf.itemsize, gathers,
+                out.append(Traffic("all-gather", ("fsdp",), shard * f * act // leaf.itemsize // piece, gathers,
                                    f"fsdp gather {leaf.path}", act_t))
             else:
-                out.append(Traffic("all-gather", ("fsdp",), shard * f, gathers, f"fsdp gather {leaf.path}", param_t))
+                out.append(Traffic("all-gather", ("fsdp",), shard * f // piece, gathers, f"fsdp gather {leaf.path}",
+                                   param_t))
         replicas = _group([a for a in BATCH_AXES if not leaf.sharded_over(a)], sizes)
         if leaf.expert:
             # dispatch._weights_for_compute: the full (fsdp-gathered) gradient summed over data, then
@@ -123,28 +143,28 @@ def step_traffic(cfg, layout: Layout, seq_len: int | None = None) -> list[Traffi
             grad_t = "f32" if m.get("grad_reduce_dtype", "float32") == "float32" else act_t
             full = shard * f * (4 if grad_t == "f32" else act) // leaf.itemsize
             if sizes["data"] > 1:
-                out.append(Traffic("all-reduce", ("data",), full, n_micro, f"grad sum {leaf.path}", grad_t))
+                out.append(Traffic("all-reduce", ("data",), full, grad_sums, f"grad sum {leaf.path}", grad_t))
             if f > 1:
-                out.append(Traffic("reduce-scatter", ("fsdp",), full, n_micro, f"grad sum (fsdp) {leaf.path}",
+                out.append(Traffic("reduce-scatter", ("fsdp",), full, grad_sums, f"grad sum (fsdp) {leaf.path}",
                                    grad_t))
         else:
             if f > 1:
-                out.append(Traffic("all-reduce", ("fsdp",), shard * f, n_micro, f"grad sum (fsdp) {leaf.path}",
+                out.append(Traffic("all-reduce", ("fsdp",), shard * f, grad_sums, f"grad sum (fsdp) {leaf.path}",
                                    param_t))
             if replicas:
-                out.append(Traffic("all-reduce", replicas, shard, n_micro, f"grad sum {leaf.path}", param_t))
+                out.append(Traffic("all-reduce", replicas, shard, grad_sums, f"grad sum {leaf.path}", param_t))
         if tp > 1 and leaf.sharded_over("tensor"):
             out += _tensor_traffic(leaf, tokens, n_exp * capacity_per_expert(tokens, k, n_exp, float(e.capacity_factor)),
-                                   act, layout, n_micro, act_t)
+                                   act, layout, passes, act_t, layers=leaf.local_layers(sizes) // piece)
     return out
 
 
-def _tensor_traffic(leaf, tokens, expert_rows, act, layout, n_micro, act_t="") -> list[Traffic]:
-    lead = (1 if leaf.stacked else 0) + (1 if leaf.expert else 0)
+def _tensor_traffic(leaf, tokens, expert_rows, act, layout, n_micro, act_t="", *, layers: int = 1) -> list[Traffic]:
+    """`n_micro` passes over `layers` layers of the leaf (a pipelined chunk's per tick)."""
+    lead = leaf.layer_dims + (1 if leaf.expert else 0)
     dims = list(range(lead, len(leaf.shape)))
     if not dims:
         return []
-    layers = leaf.shape[0] if leaf.stacked else 1
     rows = expert_rows if leaf.expert else tokens
     first = dims[0]
     if "tensor" in leaf.mesh_axes(first):  # row-parallel: the forward output (the last dim) is a partial sum
@@ -160,7 +180,7 @@ def link_split(traffic: Traffic, sizes: dict[str, int], domain_size: int) -> tup
     """(devices of the group inside one domain, domains the group spans)."""
     inside = in_domain_factors(sizes, domain_size)
     n_in = math.prod(inside[a] for a in traffic.axes)
-    n_all = math.prod(sizes[a] for a in traffic.axes)
+    n_all = math.prod(sizes.get(a, 1) for a in traffic.axes)
     return n_in, n_all // n_in
 
 
@@ -169,6 +189,9 @@ def wire_bytes(traffic: Traffic, sizes: dict[str, int], domain_size: int) -> dic
     ring inside the domain, then across domains on 1/n_in of the data per device (one NIC per GPU)."""
     n_in, n_out = link_split(traffic, sizes, domain_size)
     s = traffic.bytes * traffic.count
+    if traffic.kind == "collective-permute":  # a ring over the group: n_out of its n hops cross a domain boundary
+        crossing = n_out / (n_in * n_out) if n_out > 1 else 0.0
+        return {"nvlink": s * (1 - crossing), "nic": s * crossing}
     factor = {"all-reduce": 2.0, "all-gather": 1.0, "reduce-scatter": 1.0, "all-to-all": 1.0}[traffic.kind]
     if traffic.kind == "all-to-all":
         n = n_in * n_out

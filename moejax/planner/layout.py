@@ -18,7 +18,8 @@ class Layout:
     remat: str  # none | dots | full
     micro_batch: int  # sequences per device per forward/backward pass
     dispatch: str  # capacity | allgather | dropless
-    stage: int = 1  # pipeline stages (the planner does not search them yet)
+    stage: int = 1  # pipeline stages (mesh.stage): the MoE layers split over them
+    virtual: int = 1  # virtual stages per stage (mesh.virtual_stages)
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -30,10 +31,17 @@ class Layout:
 
     @property
     def batch_shards(self) -> int:
+        """Devices the batch is split over inside one stage (every stage sees the whole batch)."""
         return self.data * self.fsdp * self.expert
+
+    def n_micro(self, global_batch: int) -> int:
+        """Forward/backward passes per step: micro-batches of gradient accumulation, or of the pipeline."""
+        return max(1, global_batch // self.batch_shards // self.micro_batch)
 
     def name(self) -> str:
         axes = " x ".join(f"{a}{s}" for a, s in self.sizes.items() if s > 1) or "1 device"
+        if self.virtual > 1:
+            axes += f" (vp{self.virtual})"
         return f"{axes} | remat {self.remat} | mb {self.micro_batch} | {self.dispatch}"
 
     def to_dict(self) -> dict:
@@ -41,12 +49,31 @@ class Layout:
 
 
 def in_domain_factors(sizes: dict[str, int], domain_size: int) -> dict[str, int]:
-    """How many of each axis's positions lie inside one NVLink domain: expert and tensor entirely, then
-    fsdp, then data fill what the domain has left (device_grid.hybrid_device_grid's rule)."""
+    """How many of each axis's positions lie inside one NVLink domain: stages take whole domains (or, with more
+    stages than domains, an equal piece of each); inside a stage's piece expert and tensor entirely, then fsdp,
+    then data fill what is left (device_grid.hybrid_device_grid's rule)."""
+    sizes = {"stage": 1, **sizes}
     if domain_size <= 0:
         return dict(sizes)
+    n = math.prod(sizes.values())
+    domains = max(1, n // domain_size)
+    stage_in = sizes["stage"] // domains if sizes["stage"] > domains else 1
+    piece = domain_size // stage_in
     inner = sizes["expert"] * sizes["tensor"]
-    slots = max(1, domain_size // inner) if domain_size % inner == 0 else 1
+    slots = max(1, piece // inner) if piece % inner == 0 else 1
     fsdp_in = math.gcd(sizes["fsdp"], slots)
     data_in = math.gcd(sizes["data"], slots // fsdp_in)
-    return {"data": data_in, "fsdp": fsdp_in, "expert": sizes["expert"], "tensor": sizes["tensor"]}
+    return {"stage": stage_in, "data": data_in, "fsdp": fsdp_in, "expert": sizes["expert"],
+            "tensor": sizes["tensor"]}
+
+
+def layout_config(cfg, layout: Layout):
+    """The config with the layout's pipeline stages (the MoE stack's parameters are shaped and split by them); the
+    config itself when they already agree."""
+    stages, virtual = int(cfg.mesh.get("stage", 1)), int(cfg.mesh.get("virtual_stages", 1))
+    if (stages, virtual) == (layout.stage, layout.virtual):
+        return cfg
+    c = cfg.copy_and_resolve_references()
+    with c.unlocked():
+        c.mesh.stage, c.mesh.virtual_stages = layout.stage, layout.virtual
+    return c

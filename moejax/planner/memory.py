@@ -11,6 +11,12 @@
                       (the loss and the layers' backward are different phases: the peak holds the larger)
   layer_live          the layer being differentiated: its weights gathered over fsdp (compute dtype) and
                       their gradients before the fsdp reduction (param dtype)
+
+Pipeline stages (layout.stage > 1), as moejax/parallel/pipeline.py runs them: a stage holds its L / S MoE layers
+(params, optimizer state, gradients split over `stage`) and every leaf outside the MoE stack whole; the schedule's
+scan keeps each tick's residuals until the backward, i.e. C = L / (S V) layers' residuals for each of the
+M V + S - 1 ticks (all M micro-batches in flight at the end of the forward: GPipe's memory, not 1F1B's); the
+embedding, dense layers, MTP and loss run on the whole local batch (M micro-batches) at once.
 """
 
 from __future__ import annotations
@@ -19,8 +25,9 @@ from dataclasses import asdict, dataclass
 
 import jax.numpy as jnp
 
+from moejax.parallel.pipeline import schedule_ticks
 from moejax.planner.activations import activation_terms
-from moejax.planner.layout import Layout
+from moejax.planner.layout import Layout, layout_config
 from moejax.planner.state_shapes import state_leaves
 
 
@@ -65,7 +72,7 @@ def _largest_layer_bytes(params, sizes, compute_itemsize) -> int:
         if not leaf.stacked:
             continue
         stack = leaf.path.split("[")[1] if "[" in leaf.path else leaf.path  # e.g. "['moe_layers']"
-        per_layer = leaf.local_bytes(sizes, drop=("fsdp",)) // leaf.shape[0]
+        per_layer = leaf.local_bytes(sizes, drop=("fsdp",)) // leaf.local_layers(sizes)
         stacks[stack] = stacks.get(stack, 0) + per_layer * (1 + compute_itemsize / leaf.itemsize)
     return int(max(stacks.values(), default=0))
 
@@ -75,7 +82,7 @@ def estimate_memory(cfg, layout: Layout, seq_len: int | None = None, platform: s
     layer is a ragged grouped matmul on GPU, a padded einsum on CPU: what the dry run compiles)."""
     seq = int(cfg.train.seq_len if seq_len is None else seq_len)
     sizes = layout.sizes
-    params, model_state, opt = state_leaves(cfg)
+    params, model_state, opt = state_leaves(layout_config(cfg, layout))
     param_bytes = sum(leaf.local_bytes(sizes) for leaf in params) + sum(leaf.local_bytes(sizes) for leaf in model_state)
     grads = sum(leaf.local_bytes(sizes) for leaf in params)
     # GSPMD sums an fsdp-sharded weight's gradient at its full (unsharded over fsdp) size and slices after
@@ -84,13 +91,22 @@ def estimate_memory(cfg, layout: Layout, seq_len: int | None = None, platform: s
     compute_itemsize = jnp.dtype(cfg.model.dtype).itemsize
     act = activation_terms(cfg, layout.micro_batch, seq, layout.remat, tensor=layout.tensor, expert=layout.expert,
                            dispatch=layout.dispatch, platform=platform)
+    saved, logits = act.saved, act.logits
+    if layout.stage > 1:
+        n_micro = layout.n_micro(int(cfg.train.global_batch))
+        n_pipelined = int(cfg.model.n_layers) - int(cfg.model.first_k_dense)
+        outside = max(0, act.saved - n_pipelined * act.moe_layer)  # embedding, dense layers, MTP, loss
+        per_chunk = n_pipelined // (layout.stage * layout.virtual)
+        saved = (outside * n_micro
+                 + act.moe_layer * per_chunk * schedule_ticks(layout.stage, n_micro, layout.virtual))
+        logits *= n_micro
     return MemoryEstimate(
         params=param_bytes,
         opt_state=sum(leaf.local_bytes(sizes) for leaf in opt),
         grads=unreduced,
         clip_copy=grads,
-        activations=act.saved,
+        activations=saved,
         layer_transient=act.layer,
-        logits=act.logits,
+        logits=logits,
         layer_live=_largest_layer_bytes(params, sizes, compute_itemsize),
     )

@@ -8,6 +8,10 @@ Time model (every assumption is listed by `assumptions()` and printed with the r
   exposed   expert all-to-all and tensor all-reduces sit on the critical path (the next matmul needs
             them); fsdp gathers and gradient sums overlap with compute and only their excess shows
   links     wire bytes of hierarchical collectives (comm.wire_bytes) over per-GPU NVLink / NIC bandwidth
+  stages    (layout.stage > 1, parallel/pipeline.py as moejax runs it) the MoE layers' FLOPs are split over the
+            stages and stretched by the bubble, 1 + (S - 1) / (M V) (a stage computes on its idle ticks too);
+            the embedding, dense layers, MTP and heads run on every stage (S x their FLOPs per device); the
+            hand-off between stages is waited on (critical), like the expert all-to-all
 """
 
 from __future__ import annotations
@@ -15,14 +19,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moejax.config import REMAT_POLICIES, ConfigError, validate
-from moejax.model.accounting import flops_per_token, fp8_macs_fraction
+from moejax.model.accounting import flops_per_token, fp8_macs_fraction, pipelined_macs_fraction
+from moejax.parallel.pipeline import bubble_fraction
 from moejax.parallel.topology import Topology
 from moejax.planner.comm import buffer_bytes_by_link, step_traffic, wire_bytes
 from moejax.planner.layout import Layout
 from moejax.planner.memory import MemoryEstimate, estimate_memory
 from moejax.planner.recompute import recompute_factor
 
-CRITICAL = ("expert", "tensor")  # collectives over these axes are waited on, not overlapped
+CRITICAL = ("expert", "tensor", "stage")  # collectives over these axes are waited on, not overlapped
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,8 @@ class Prediction:
     buffer_bytes: dict  # per link class, per step (hlo_collectives' convention)
     wire_bytes: dict  # per link class, per step
     recompute: float  # hardware FLOPs / model FLOPs of the layout's remat policy (traced)
+    bubble: float  # pipeline stages: idle ticks over useful ones, (S - 1) / (M V); 0 without stages
+    stage_compute: float  # pipeline stages: device FLOPs over an even split's (bubble and redundant parts); 1 without
     compute_s: float
     exposed_comm_s: float
     step_s: float
@@ -43,7 +50,8 @@ class Prediction:
     def to_dict(self) -> dict:
         return {"layout": self.layout.to_dict(), "name": self.layout.name(), "memory": self.memory.to_dict(),
                 "fits": self.fits, "buffer_bytes": self.buffer_bytes, "wire_bytes": self.wire_bytes,
-                "recompute": self.recompute, "compute_s": self.compute_s, "exposed_comm_s": self.exposed_comm_s, "step_s": self.step_s,
+                "recompute": self.recompute, "bubble": self.bubble, "stage_compute": self.stage_compute,
+                "compute_s": self.compute_s, "exposed_comm_s": self.exposed_comm_s, "step_s": self.step_s,
                 "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "tflops_per_gpu": self.tflops_per_gpu,
                 "mfu": self.mfu}
 
@@ -82,45 +90,86 @@ def predict(cfg, topo: Topology, layout: Layout, *, efficiency: float, domain_si
     model_flops = flops_per_token(cfg, seq) * tokens_per_step / n
     recompute = recompute_factor(cfg, layout.remat, dispatch=layout.dispatch, seq_len=seq)
     fp8_share = fp8_macs_fraction(cfg, seq)
-    compute_s = model_flops * recompute * ((1 - fp8_share) / topo.peak_bf16 + fp8_share / topo.peak_fp8) / efficiency
+    bubble, stage_compute = stage_terms(cfg, layout, seq)
+    compute_s = (model_flops * recompute * stage_compute
+                 * ((1 - fp8_share) / topo.peak_bf16 + fp8_share / topo.peak_fp8) / efficiency)
     exposed = critical_s + max(0.0, overlap_s - compute_s)
     step_s = compute_s + exposed
     tokens_per_s = tokens_per_step / step_s / n
     return Prediction(layout, memory, memory.total <= topo.hbm_bytes, buffer_bytes_by_link(traffic, layout.sizes, domain_size),
-                      wire, recompute, compute_s, exposed, step_s, tokens_per_s, model_flops / step_s / 1e12,
-                      model_flops / step_s / topo.peak_bf16)
+                      wire, recompute, bubble, stage_compute, compute_s, exposed, step_s, tokens_per_s,
+                      model_flops / step_s / 1e12, model_flops / step_s / topo.peak_bf16)
+
+
+def stage_terms(cfg, layout: Layout, seq: int) -> tuple[float, float]:
+    """(bubble, device FLOPs over model FLOPs / n) of the layout's pipeline stages: the pipelined share stretched by
+    the bubble, the rest computed by every stage."""
+    if layout.stage <= 1:
+        return 0.0, 1.0
+    bubble = bubble_fraction(layout.stage, layout.n_micro(int(cfg.train.global_batch)), layout.virtual)
+    piped = pipelined_macs_fraction(cfg, seq)
+    return bubble, piped * (1 + bubble) + (1 - piped) * layout.stage
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def stage_options(cfg, n_gpus: int, domain_size: int, max_virtual: int = 8) -> list[tuple[int, int]]:
+    """(stages, virtual stages) to search: stages that split the MoE layers and the job's NVLink domains (whole
+    domains per stage, or equal pieces of each), and for each, virtual-stage counts up to max_virtual (and the
+    largest, one layer per chunk) that split the layers further; (1, 1) always."""
+    n_pipelined = int(cfg.model.n_layers) - int(cfg.model.first_k_dense)
+    domains = max(1, n_gpus // domain_size) if domain_size else 1
+    out = [(1, 1)]
+    for stages in _divisors(n_gpus)[1:]:
+        if n_pipelined % stages or not (domains % stages == 0 or (stages % domains == 0
+                                                                 and domain_size % (stages // domains) == 0)):
+            continue
+        chunks = n_pipelined // stages
+        out += [(stages, v) for v in _divisors(chunks) if v <= max_virtual or v == chunks]
+    return out
+
+
 def enumerate_layouts(cfg, n_gpus: int, domain_size: int, *, remats=REMAT_POLICIES, dispatches=None,
-                      max_tensor: int = 8) -> list[Layout]:
-    """Every layout the config accepts on n_gpus with expert x tensor inside one domain."""
+                      max_tensor: int = 8, stages=None) -> list[Layout]:
+    """Every layout the config accepts on n_gpus with expert x tensor inside one domain; `stages`: the (stages,
+    virtual stages) pairs to try (default stage_options; ((1, 1),) leaves pipelines out)."""
     dispatches = dispatches or (cfg.moe.dispatch,)
     out = []
-    for expert in _divisors(n_gpus):
-        for tensor in (t for t in _divisors(max_tensor) if n_gpus % (expert * t) == 0):
-            if domain_size % (expert * tensor):
-                continue
-            rest = n_gpus // (expert * tensor)
-            for fsdp in _divisors(rest):
-                data = rest // fsdp
-                trial = cfg.copy_and_resolve_references()
-                with trial.unlocked():
-                    trial.mesh.data, trial.mesh.fsdp, trial.mesh.expert, trial.mesh.tensor = data, fsdp, expert, tensor
-                try:
-                    validate(trial, n_gpus)
-                except ConfigError:
+    for n_stages, virtual in (stages or stage_options(cfg, n_gpus, domain_size)):
+        per_stage = n_gpus // n_stages
+        piece = domain_size // max(1, n_stages // max(1, n_gpus // domain_size)) if domain_size else per_stage
+        for expert in _divisors(per_stage):
+            for tensor in (t for t in _divisors(max_tensor) if per_stage % (expert * t) == 0):
+                if domain_size % (expert * tensor) or piece % (expert * tensor):
                     continue
-                if cfg.model.n_heads % tensor:
-                    continue
-                per_device = cfg.train.global_batch // (data * fsdp * expert)
-                for mb in (m for m in _divisors(per_device) if m & (m - 1) == 0 or m == per_device):
-                    for remat in remats:
-                        for dispatch in dispatches:
-                            out.append(Layout(data, fsdp, expert, tensor, remat, mb, dispatch))
+                rest = per_stage // (expert * tensor)
+                for fsdp in _divisors(rest):
+                    data = rest // fsdp
+                    trial = cfg.copy_and_resolve_references()
+                    with trial.unlocked():
+                        trial.mesh.data, trial.mesh.fsdp, trial.mesh.expert, trial.mesh.tensor = data, fsdp, expert, tensor
+                        trial.mesh.stage, trial.mesh.virtual_stages = n_stages, virtual
+                        if n_stages > 1 and trial.moe.dispatch == "dropless":
+                            trial.moe.dispatch = "capacity"  # checked per dispatch below
+                    per_device = cfg.train.global_batch // (data * fsdp * expert)
+                    for mb in (m for m in _divisors(per_device) if m & (m - 1) == 0 or m == per_device):
+                        if per_device // mb < n_stages:
+                            continue  # fewer micro-batches than stages
+                        with trial.unlocked():
+                            trial.train.micro_batches = per_device // mb
+                        try:
+                            validate(trial, n_gpus)
+                        except ConfigError:
+                            continue
+                        if cfg.model.n_heads % tensor:
+                            continue
+                        for remat in remats:
+                            for dispatch in dispatches:
+                                if n_stages > 1 and dispatch == "dropless":
+                                    continue  # not inside pipeline stages yet (config.validate refuses it)
+                                out.append(Layout(data, fsdp, expert, tensor, remat, mb, dispatch, n_stages, virtual))
     return out
 
 
@@ -172,7 +221,11 @@ def assumptions(topo: Topology, efficiency: float, domain_size: int, cfg=None, *
         "(gradients and their clipped copy); no allocator fragmentation or NCCL buffers",
         "micro-batch below the per-device batch means gradient accumulation: run it with "
         "train.micro_batches = per-device batch / micro-batch (each pass re-gathers fsdp weights)",
-        "not modelled: pipeline parallelism, "
+        "pipeline stages (stage > 1, circular schedule as moejax runs it): MoE-layer compute x (1 + bubble), bubble "
+        "(S - 1) / (M V); embedding, dense layers, MTP and heads computed on every stage; one micro-batch's "
+        "activations per tick to the next stage and back (on the NICs when stages take whole NVLink domains), waited "
+        "on; every tick's residuals kept until the backward (all M micro-batches: GPipe memory, not 1F1B's)",
+        "not modelled: 1F1B / zero-bubble schedules (moejax runs the circular one), uneven stage splits, "
         + ("FP8 GEMMs (model.fp8=none), " if cfg is None or cfg.model.get("fp8", "none") == "none" else
            "FP8 GEMMs below the fp8 peak's efficiency (qwix's blockwise dot runs K/128 GEMMs of depth 128), ")
         + "communication/computation overlap inside the MoE layer "

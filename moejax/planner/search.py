@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from moejax.config import ConfigError, validate
+from moejax.errors import InputError
 from moejax.parallel.topology import Topology
+from moejax.planner.layout import Layout
 from moejax.planner.predict import assumptions, domain_size_for, enumerate_layouts, predict, rank
 
 
 def plan(cfg, topo: Topology, gpu_counts: list[int], *, efficiency: float, domain_size: int = 0,
-         remats=("none", "dots", "full"), dispatches=None, top: int = 5) -> dict:
+         remats=("none", "dots", "full"), dispatches=None, top: int = 5, candidates: tuple[Layout, ...] = ()) -> dict:
+    """`candidates`: layouts to rank among the searched ones at their GPU count and explain, whether or not the
+    config can run them (e.g. a published record's layout)."""
     runs = []
     for n in gpu_counts:
         domain = domain_size_for(topo, n, domain_size)
@@ -15,7 +20,9 @@ def plan(cfg, topo: Topology, gpu_counts: list[int], *, efficiency: float, domai
         ranked = rank([predict(cfg, topo, lay, efficiency=efficiency, domain_size=domain) for lay in layouts])
         runs.append({"gpus": n, "domain_size": domain, "layouts_considered": len(layouts),
                      "layouts_that_fit": sum(p.fits for p in ranked),
-                     "best": [p.to_dict() for p in ranked[:top]]})
+                     "best": [p.to_dict() for p in ranked[:top]],
+                     "candidates": [_candidate(cfg, topo, lay, ranked, efficiency, domain)
+                                    for lay in candidates if lay.n_devices == n]})
     base = next((r for r in runs if r["best"] and r["best"][0]["fits"]), None)
     for r in runs:
         best = r["best"][0] if r["best"] and r["best"][0]["fits"] else None
@@ -25,6 +32,43 @@ def plan(cfg, topo: Topology, gpu_counts: list[int], *, efficiency: float, domai
             "seq_len": int(cfg.train.seq_len), "runs": runs,
             "assumptions": assumptions(topo, efficiency, runs[0]["domain_size"] if runs else 0, cfg,
                                        remats=remats, dispatches=dispatches)}
+
+
+def _candidate(cfg, topo: Topology, layout: Layout, ranked, efficiency: float, domain: int) -> dict:
+    """A given layout's prediction, its place among the searched layouts, and why moejax could not run it (the
+    config error), if so."""
+    pred = predict(cfg, topo, layout, efficiency=efficiency, domain_size=domain)
+    place = 1 + sum(1 for p in ranked if (not p.fits, p.step_s) < (not pred.fits, pred.step_s))
+    trial = cfg.copy_and_resolve_references()
+    with trial.unlocked():
+        for axis, size in layout.sizes.items():
+            trial.mesh[axis] = size
+        trial.mesh.virtual_stages = layout.virtual
+        trial.moe.dispatch = layout.dispatch
+        trial.train.micro_batches = layout.n_micro(int(cfg.train.global_batch))
+    try:
+        validate(trial, layout.n_devices)
+        runs = None
+    except ConfigError as e:
+        runs = str(e)
+    return {**pred.to_dict(), "rank": place, "of": len(ranked), "config_error": runs}
+
+
+def parse_layout(text: str) -> Layout:
+    """'stage=2,virtual=8,expert=32,data=4,remat=full,mb=1,dispatch=capacity' -> Layout (unnamed axes 1, remat
+    full, mb 1, dispatch capacity); InputError on a bad field."""
+    fields = {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1, "stage": 1, "virtual": 1, "remat": "full",
+              "micro_batch": 1, "dispatch": "capacity"}
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        key, _, value = part.partition("=")
+        key = {"mb": "micro_batch", "vp": "virtual", "pp": "stage", "ep": "expert", "tp": "tensor"}.get(key, key)
+        if key not in fields or not value:
+            raise InputError(f"--layout {text!r}: {part!r} is not one of {', '.join(fields)}=value")
+        try:
+            fields[key] = value if key in ("remat", "dispatch") else int(value)
+        except ValueError:
+            raise InputError(f"--layout {text!r}: {key} must be an integer, not {value!r}") from None
+    return Layout(**fields)
 
 
 def format_plan(result: dict) -> str:
@@ -45,6 +89,15 @@ def format_plan(result: dict) -> str:
             m = r["best"][0]["memory"]
             lines.append("  best layout's memory per GPU (GB): " + ", ".join(
                 f"{k} {v / gb:.1f}" for k, v in m.items()))
+        for c in r.get("candidates", []):
+            fit = "fits" if c["fits"] else f"does not fit ({c['memory']['total'] / gb:.0f} GB)"
+            lines.append(f"  candidate {c['name']}: rank {c['rank']} of {c['of']}, {fit}, step {c['step_s']:.2f} s, "
+                         f"{c['tokens_per_s_per_gpu']:.0f} tok/s/GPU, {c['tflops_per_gpu']:.0f} TFLOP/s, MFU {c['mfu']:.1%}; "
+                         f"bubble {c['bubble']:.2%}, compute x{c['stage_compute']:.3f} of an even split, "
+                         f"exposed communication {c['exposed_comm_s']:.2f} s, NIC {c['wire_bytes']['nic'] / gb:.1f} GB")
+            lines.append("    memory (GB): " + ", ".join(f"{k} {v / gb:.1f}" for k, v in c["memory"].items()))
+            if c["config_error"]:
+                lines.append(f"    moejax cannot run it as configured: {c['config_error']}")
     lines.append("\nassumptions:")
     lines += [f"  - {a}" for a in result["assumptions"]]
     return "\n".join(lines)

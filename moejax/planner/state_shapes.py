@@ -20,6 +20,9 @@ from moejax.program.optim import make_optimizer
 from moejax.program.state import abstract_state
 
 
+LAYER_AXES = ("layers", "stage_layers", "repeat")  # logical names of the layer-stacking dims (parallel/mesh.py)
+
+
 @dataclass(frozen=True)
 class Leaf:
     path: str
@@ -28,9 +31,31 @@ class Leaf:
     logical: tuple[str | None, ...]
 
     @property
+    def layer_dims(self) -> int:
+        """Leading dims that stack layers: 1 for a scanned stack [L, ...] or a pipelined one [L, ...] split over
+        `stage`, 2 for a pipelined stack with virtual stages [V, L / V, ...]; 0 for a leaf outside the stacks."""
+        n = 0
+        while n < len(self.logical) and self.logical[n] in LAYER_AXES:
+            n += 1
+        return n
+
+    @property
     def stacked(self) -> bool:
         """Stacked over layers (run inside the scan): its collectives run once per layer."""
-        return bool(self.logical) and self.logical[0] == "layers"
+        return self.layer_dims > 0
+
+    @property
+    def pipelined(self) -> bool:
+        """Part of the MoE stack the pipeline stages split (logical 'stage_layers')."""
+        return "stage_layers" in self.logical[:self.layer_dims]
+
+    @property
+    def n_layers(self) -> int:
+        return math.prod(self.shape[:self.layer_dims])
+
+    def local_layers(self, sizes: dict[str, int]) -> int:
+        """Layers of the stack one device holds (a pipeline stage holds L / stages)."""
+        return math.prod(self.local_shape(sizes)[:self.layer_dims])
 
     @property
     def expert(self) -> bool:
@@ -66,7 +91,7 @@ def _leaves(tree) -> list[Leaf]:
     return out
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=64)
 def _state_leaves_cached(cfg_json: str):
     cfg = ml_collections.ConfigDict(json.loads(cfg_json))
     state = abstract_state(cfg, make_optimizer(cfg.optim))

@@ -72,3 +72,47 @@ def init_state(cfg, tx, mesh: Mesh, seed: int) -> tuple[TrainState, object]:
     create = jax.jit(functools.partial(_create_state, cfg, tx), static_argnums=0, out_shardings=shardings)
     with jax.set_mesh(mesh):
         return create(seed), shardings
+
+
+def stacked_like(saved_cfg: dict, cfg):
+    """The config `cfg` as the run that wrote a checkpoint stored its MoE stack, or None when the shapes agree.
+
+    Pipeline stages with virtual stages store the MoE stack as [V, L / V, ...] (model/transformer.py), any other
+    layout as [L, ...]; both hold the layers in layer order, so a checkpoint of one restores onto the other by a
+    reshape (restack). The stage count alone changes no shape."""
+    def stacking(stage: int, virtual: int) -> int:
+        return virtual if stage > 1 and virtual > 1 and int(cfg.model.n_layers) > int(cfg.model.first_k_dense) else 1
+
+    saved_mesh = saved_cfg.get("mesh", {})
+    saved = stacking(int(saved_mesh.get("stage", 1)), int(saved_mesh.get("virtual_stages", 1)))
+    if saved == stacking(int(cfg.mesh.get("stage", 1)), int(cfg.mesh.get("virtual_stages", 1))):
+        return None
+    like = cfg.copy_and_resolve_references()
+    with like.unlocked():
+        like.mesh.stage, like.mesh.virtual_stages = (2, saved) if saved > 1 else (1, 1)
+    return like
+
+
+def restack(state: TrainState, abstract, shardings, mesh: Mesh) -> TrainState:
+    """A state restored in another stacking of the MoE stack ([V', L / V', ...] or [L, ...]) in this run's shapes
+    and shardings (the element order is the layer order in both)."""
+    reshape = jax.jit(lambda s: jax.tree.map(lambda a, t: a.reshape(t.shape), s, abstract), out_shardings=shardings)
+    with jax.set_mesh(mesh):
+        return reshape(state)
+
+
+def restore_shardings(abstract, mesh: Mesh):
+    """state_shardings, with a dim left whole where its mesh axes do not divide it (a restore target in another
+    stacking: [V', L / V'] need not split over this run's stages)."""
+    def even(sharding, leaf):
+        spec = list(sharding.spec) + [None] * (len(leaf.shape) - len(sharding.spec))
+        for i, axes in enumerate(spec):
+            names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+            n = 1
+            for a in names:
+                n *= mesh.shape[a]
+            if leaf.shape[i] % n:
+                spec[i] = None
+        return NamedSharding(mesh, P(*spec))
+
+    return jax.tree.map(even, state_shardings(abstract, mesh), abstract)

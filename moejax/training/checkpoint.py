@@ -111,6 +111,13 @@ class Checkpointer:
             state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta),
             config=ocp.args.JsonSave(json.loads(config_json))))
 
+    def saved_config(self, step: int) -> dict:
+        """The resolved config the run that saved `step` had."""
+        try:
+            return dict(self._manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config)
+        except Exception as e:
+            raise CheckpointError(_unreadable(self.directory, step, self._manager.all_steps(), e)) from None
+
     def restore(self, step: int, abstract_state, shardings) -> tuple[object, dict]:
         """(state on the given shardings, which may belong to another mesh than the save's; meta)."""
         target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),

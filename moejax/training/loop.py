@@ -24,7 +24,8 @@ from moejax.data.sources import data_fingerprint, open_sources
 from moejax.model.accounting import flops_per_token, param_counts
 from moejax.parallel.mesh import batch_sharding, mesh_from_config
 from moejax.program.optim import make_optimizer
-from moejax.program.state import abstract_state, init_state, model_graphdef, state_shardings
+from moejax.program.state import (abstract_state, init_state, model_graphdef, restack, restore_shardings,
+                                  stacked_like, state_shardings)
 from moejax.program.step import jit_eval_step, jit_train_step
 from moejax.program.weights import init_state_from_weights
 from moejax.training import metrics as M
@@ -192,7 +193,13 @@ def _initial_state(cfg, tx, mesh, checkpointer: Checkpointer, start: int, finger
     if start:
         abstract = abstract_state(cfg, tx)
         shardings = state_shardings(abstract, mesh)
-        state, meta = checkpointer.restore(start, abstract, shardings)
+        saved_like = stacked_like(checkpointer.saved_config(start), cfg)
+        if saved_like is None:
+            state, meta = checkpointer.restore(start, abstract, shardings)
+        else:  # saved with another virtual-stage count: its MoE stack in that stacking, then reshaped to ours
+            saved_abstract = abstract_state(saved_like, tx)
+            state, meta = checkpointer.restore(start, saved_abstract, restore_shardings(saved_abstract, mesh))
+            state = restack(state, abstract, shardings, mesh)
         if meta["data"]["fingerprint"] != fingerprint:
             raise CheckpointError(f"the data changed since checkpoint {start} was saved ({meta['data']['fingerprint']}"
                                   f" then, {fingerprint} now); a resumed run must read the same data")

@@ -1,0 +1,107 @@
+"""The planner's model of pipeline stages (moejax/planner: layout, memory, comm, predict, search): which stage
+counts it searches, per-stage memory, the bubble and the redundant compute outside the pipeline, the hand-off
+bytes and which link carries them, and NVIDIA's record layout ranked and explained. From the config alone; the
+comparison with a compiled pipelined step is in tests/test_pipeline_step.py (`make test-pipeline`)."""
+
+import runpy
+from pathlib import Path
+
+import pytest
+
+from moejax.model.accounting import pipelined_macs_fraction
+from moejax.parallel.pipeline import schedule_ticks
+from moejax.parallel.topology import get_topology
+from moejax.planner.comm import step_traffic, wire_bytes
+from moejax.planner.layout import Layout, layout_config
+from moejax.planner.memory import estimate_memory
+from moejax.planner.predict import predict, stage_options, stage_terms
+from moejax.planner.state_shapes import state_leaves
+from tests.test_pipeline_step import pipeline_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def staged_config():
+    cfg = pipeline_config("capacity", 8)  # a dense layer, 8 MoE layers with shared + routed experts, MTP
+    cfg.train.global_batch, cfg.train.seq_len = 32, 16
+    return cfg
+
+
+def test_searched_stage_counts_split_the_moe_layers_and_the_domains():
+    cfg = runpy.run_path(str(ROOT / "configs" / "deepseek_v3_671b.py"))["get_config"]()
+    options = stage_options(cfg, 256, 64)  # 4 domains of 64 (NVL72 racks at 256 GPUs)
+    # 58 MoE layers = 2 x 29: PP2 (whole racks) with VP 1 or 29 (one layer per chunk); VP8 does not split them
+    assert (1, 1) in options and (2, 1) in options and (2, 29) in options and (2, 8) not in options
+    assert all(58 % (s * v) == 0 for s, v in options)
+    small = staged_config()  # 8 MoE layers on 16 devices in 2 domains of 8: 4 stages are half domains
+    assert {(2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (8, 1)} <= set(stage_options(small, 16, 8))
+    assert (16, 1) not in stage_options(small, 16, 8)  # 16 does not divide 8 layers
+
+
+def test_a_stage_holds_its_share_of_the_moe_stack_and_all_the_rest():
+    cfg = staged_config()
+    flat = Layout(1, 1, 2, 1, "full", 1, "capacity")
+    for stages, virtual in ((2, 1), (4, 2)):
+        piped = Layout(1, 1, 2, 1, "full", 1, "capacity", stages, virtual)
+        params = state_leaves(layout_config(cfg, piped))[0]
+        assert any(leaf.pipelined for leaf in params) and sum(leaf.pipelined for leaf in params) == sum(
+            "moe_layers" in leaf.path for leaf in params)
+        whole = state_leaves(cfg)[0]
+        moe = sum(leaf.local_bytes(flat.sizes) for leaf in whole if "moe_layers" in leaf.path)
+        rest = sum(leaf.local_bytes(flat.sizes) for leaf in whole if "moe_layers" not in leaf.path)
+        assert moe > 0 and rest > 0
+        mem_1, mem_s = estimate_memory(cfg, flat), estimate_memory(cfg, piped)
+        # per device: the stage's 1/S of the MoE stack (its chunks), every other leaf whole
+        assert mem_s.params - mem_1.params == pytest.approx(moe / stages - moe, abs=8 * len(params))
+        assert mem_s.opt_state < mem_1.opt_state
+
+
+def test_saved_activations_follow_the_ticks_and_the_logits_the_whole_batch():
+    cfg = staged_config()
+    micro = cfg.train.global_batch // 2 // 1  # expert 2 splits the batch; mb 1: M = 16
+    flat = estimate_memory(cfg, Layout(1, 1, 2, 1, "full", 1, "capacity"))
+    for stages, virtual in ((2, 1), (4, 2)):
+        piped = estimate_memory(cfg, Layout(1, 1, 2, 1, "full", 1, "capacity", stages, virtual))
+        assert piped.logits == flat.logits * micro
+        # M micro-batches in flight: more than one pass of gradient accumulation keeps, less than M of them
+        # (the MoE layers are split over the stages)
+        assert flat.activations < piped.activations < micro * flat.activations
+    more_virtual = estimate_memory(cfg, Layout(1, 1, 2, 1, "full", 1, "capacity", 2, 4))
+    fewer = estimate_memory(cfg, Layout(1, 1, 2, 1, "full", 1, "capacity", 2, 1))
+    assert more_virtual.activations < fewer.activations  # ticks x chunk: (M V + S - 1) L / (S V) shrinks with V
+
+
+def test_bubble_and_the_compute_every_stage_repeats():
+    cfg = staged_config()
+    assert stage_terms(cfg, Layout(1, 1, 2, 1, "full", 1, "capacity"), 16) == (0.0, 1.0)
+    lay = Layout(1, 1, 2, 1, "full", 2, "capacity", 4, 2)  # M = 32 / 2 / 2 = 8
+    bubble, factor = stage_terms(cfg, lay, 16)
+    assert bubble == pytest.approx(3 / 16)
+    p = pipelined_macs_fraction(cfg, 16)
+    assert 0 < p < 1 and factor == pytest.approx(p * (1 + 3 / 16) + (1 - p) * 4)
+
+
+@pytest.mark.parametrize("stages,domain,nic_share", [(2, 8, 1.0), (4, 8, 0.5), (4, 16, 0.0)])
+def test_hand_off_bytes_and_their_link(stages, domain, nic_share):
+    cfg = staged_config()
+    lay = Layout(2, 1, 16 // (2 * stages), 1, "full", 1, "capacity", stages, 1)
+    assert lay.n_devices == 16
+    hand = [t for t in step_traffic(cfg, lay) if t.kind == "collective-permute"]
+    assert len(hand) == 1 and hand[0].axes == ("stage",)
+    n_micro = lay.n_micro(cfg.train.global_batch)
+    assert hand[0].bytes == 1 * 16 * cfg.model.d_model * 4  # one micro-batch's [mb, seq, d_model] f32 per device
+    assert hand[0].count == 2 * schedule_ticks(stages, n_micro, 1)  # forward and backward, every tick
+    w = wire_bytes(hand[0], lay.sizes, domain)
+    assert w["nic"] == pytest.approx(nic_share * hand[0].total) and w["nvlink"] + w["nic"] == pytest.approx(hand[0].total)
+
+
+def test_pipeline_trades_bubble_for_the_fsdp_gathers_it_saves():
+    """DeepSeek-V3 671B on 256 GB300s: PP2 splits the per-device state, so a layout fits without fsdp over both
+    racks' halves; the bubble and the doubled outside-the-pipeline compute show in the step time."""
+    cfg = runpy.run_path(str(ROOT / "configs" / "deepseek_v3_671b.py"))["get_config"]()
+    topo = get_topology("gb300-nvl72")
+    flat = predict(cfg, topo, Layout(4, 1, 64, 1, "full", 1, "capacity"), efficiency=0.5, domain_size=64)
+    piped = predict(cfg, topo, Layout(2, 1, 64, 1, "full", 1, "capacity", 2, 1), efficiency=0.5, domain_size=64)
+    assert piped.memory.params < 0.6 * flat.memory.params
+    assert piped.bubble == pytest.approx(1 / 32)  # M = 4096 / 128 = 32 micro-batches of one sequence
+    assert piped.wire_bytes["nic"] > 0 and piped.stage_compute > 1 + piped.bubble
