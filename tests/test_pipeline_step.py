@@ -103,21 +103,28 @@ def test_stages_take_whole_domains_or_pieces_that_hold_expert_groups():
 
 
 @slow_pipeline
-def test_checkpoint_restores_onto_another_stage_count(tmp_path):
-    """A run on 2 pipeline stages (2 micro-batches) saves at step 10; resumed on no stages (gradient accumulation
-    over the same 2 micro-batches, the same 8 devices as data x expert) it redoes steps 11-20 with the losses of the
-    run that stayed pipelined (f32, 1e-5 relative: the same step computed on two layouts)."""
+@pytest.mark.parametrize("n_layers,saved,resumed", [
+    (3, ["--config.mesh.stage=2"], ["--config.mesh.stage=1"]),  # same shapes, another stage count
+    # [V, L / V, ...] -> [L, ...]: the MoE stack's stacking changes with the virtual stages
+    (5, ["--config.mesh.stage=2", "--config.mesh.virtual_stages=2"], ["--config.mesh.stage=1"]),
+    (5, ["--config.mesh.stage=1"], ["--config.mesh.stage=2", "--config.mesh.virtual_stages=2"]),
+], ids=["pp2-to-pp1", "pp2vp2-to-pp1", "pp1-to-pp2vp2"])
+def test_checkpoint_restores_onto_another_stage_count(tmp_path, n_layers, saved, resumed):
+    """A run saves at step 10 and goes on to 20; resumed from step 10 on another stage / virtual-stage count (the
+    same 2 micro-batches, the same 8 devices) it redoes steps 11-20 with the losses of the run that did not
+    change (f32, 1e-5 relative: the same step computed on two layouts)."""
     import shutil
 
     from tests.test_resume import losses, records, run
-    piped = ["--config.model.n_layers=3", "--config.train.micro_batches=2", "--config.train.steps=20",
-             "--config.moe.dispatch=capacity"]
+    common = [f"--config.model.n_layers={n_layers}", "--config.train.global_batch=16", "--config.train.micro_batches=2",
+              "--config.train.steps=20",
+              "--config.moe.dispatch=capacity"]
     workdir = tmp_path / "run"
-    proc = run(workdir, *piped, "--config.mesh.stage=2")
+    proc = run(workdir, *common, *saved)
     assert proc.returncode == 0, proc.stderr[-3000:]
     want = losses(workdir)
     shutil.rmtree(workdir / "checkpoints" / "20")
-    proc = run(workdir, *piped, "--config.mesh.stage=1")
+    proc = run(workdir, *common, *resumed)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed at step 10" in proc.stdout
     redone = records(workdir)[20:]

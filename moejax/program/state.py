@@ -96,9 +96,13 @@ def stacked_like(saved_cfg: dict, cfg):
 def restack(state: TrainState, abstract, shardings, mesh: Mesh) -> TrainState:
     """A state restored in another stacking of the MoE stack ([V', L / V', ...] or [L, ...]) in this run's shapes
     and shardings (the element order is the layer order in both)."""
-    reshape = jax.jit(lambda s: jax.tree.map(lambda a, t: a.reshape(t.shape), s, abstract), out_shardings=shardings)
+    targets, treedef = jax.tree.flatten(abstract)  # this run's leaves and metadata (logical axes), same key order
+
+    def reshape(leaves):
+        return treedef.unflatten([a.reshape(t.shape) for a, t in zip(leaves, targets, strict=True)])
+
     with jax.set_mesh(mesh):
-        return reshape(state)
+        return jax.jit(reshape, out_shardings=shardings)(jax.tree.leaves(state))
 
 
 def restore_shardings(abstract, mesh: Mesh):
