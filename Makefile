@@ -55,7 +55,7 @@ test-fp8: $(VENV)/.installed
 	MOEJAX_FP8_TRAINING=1 $(VENV)/bin/python -m pytest -q -s tests/test_fp8_training.py
 
 test-pipeline: $(VENV)/.installed
-	MOEJAX_PIPELINE_STEP=1 $(VENV)/bin/python -m pytest -n 2 -q tests/test_pipeline_step.py
+	MOEJAX_PIPELINE_STEP=1 $(VENV)/bin/python -m pytest -n 2 -q tests/test_pipeline.py tests/test_pipeline_step.py
 
 bench: $(VENV)/.installed
 	$(VENV)/bin/python benchmarks/train_step.py --config $(CONFIG)

@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from flax import nnx
 
 from moejax.kernels import fp8
@@ -116,6 +117,19 @@ def _as_chunks(state, n_stages: int, n_repeats: int):
     return jax.tree.map(chunk, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+LAYER_INPUT = "layer_input"  # checkpoint name of every stacked block's input
+
+
+def _tick_policy(remat: str):
+    """A pipeline tick's remat policy with virtual stages: keep what the layers' own policy keeps (their inputs,
+    and under `dots` the matmul outputs) so that only the tick's chunk of weights is re-selected in the backward;
+    None under remat none (the tick keeps everything, a copy of the chunk's weights included)."""
+    if remat == "none":
+        return None
+    return jax.checkpoint_policies.save_from_both_policies(
+        _REMAT_POLICIES[remat], jax.checkpoint_policies.save_only_these_names(LAYER_INPUT))
+
+
 def _remat(fn, remat: str):
     return fn if remat == "none" else nnx.remat(fn, policy=_REMAT_POLICIES[remat])
 
@@ -125,6 +139,7 @@ def _run_stack(blocks, x_BxLxD, positions_BxL, segment_ids_BxL, remat: str):
 
     @nnx.scan(in_axes=(nnx.Carry, 0, None, None), out_axes=(nnx.Carry, 0), transform_metadata=LAYERS_AXIS_METADATA)
     def step(x, block, positions, segments):
+        x = checkpoint_name(x, LAYER_INPUT)  # what a pipeline tick's remat policy keeps (parallel/pipeline.py)
         x, stats = body(block, x, positions, segments)
         return x, stats
 
@@ -280,7 +295,8 @@ class Transformer(nnx.Module):
         chunk_like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[2:], a.dtype), chunks)
         stats_like = jax.eval_shape(stage_fn, chunk_like, *one)[1]
         y_MxBxLxD, stats_VxSxMxC = circular_pipeline(stage_fn, chunks, x_MxBxLxD, mesh=mesh, axis="stage",
-                                                     n_repeats=self.virtual_stages, side_MxB=side, aux_like=stats_like)
+                                                     n_repeats=self.virtual_stages, side_MxB=side, aux_like=stats_like,
+                                                     tick_policy=_tick_policy(self.remat) if self.virtual_stages > 1 else None)
         # [V, S, M, C, ...] -> [M, L, ...] in layer order
         stats_MxL = jax.tree.map(lambda a: jnp.moveaxis(a, 2, 0).reshape(n_micro, -1, *a.shape[4:]), stats_VxSxMxC)
 

@@ -66,7 +66,7 @@ def from_chunks(tree):
 
 
 def circular_pipeline(stage_fn: Callable, params_VxSxC, x_MxB, *, mesh, axis: str, n_repeats: int, side_MxB=None,
-                      aux_like=None):
+                      aux_like=None, tick_policy=None):
     """Run `stage_fn(chunk_params, x_B, side_B) -> (y_B, aux)` over every chunk of layers for every micro-batch.
 
     params_VxSxC: a tree of [V, S, per_chunk, ...] leaves (to_chunks of the layer stack); x_MxB: [M, ...]
@@ -75,6 +75,12 @@ def circular_pipeline(stage_fn: Callable, params_VxSxC, x_MxB, *, mesh, axis: st
     statistics per layer), `aux_like` one chunk's (shapes and dtypes) or None. Returns (y_MxB: the last chunk's
     outputs, aux_VxSxMx...: each chunk's aux for each micro-batch, or None). Equal to applying the chunks in layer
     order to each micro-batch.
+
+    Memory: with one repeat the chunk of weights is loop-invariant and the backward reads the weights themselves;
+    with virtual stages it is selected per tick, and the scan would save a copy for every tick (about M copies of
+    the stage's weights). `tick_policy`, a jax.checkpoint policy for the tick, avoids that: one that saves what
+    the stage function's own remat keeps (e.g. its layers' inputs, by name) lets the backward re-select the
+    weights instead (MaxText's remat of pipeline iterations).
     """
     n_stages = mesh.shape[axis]
     n_micro = x_MxB.shape[0]
@@ -112,8 +118,11 @@ def circular_pipeline(stage_fn: Callable, params_VxSxC, x_MxB, *, mesh, axis: st
         repeat_S, micro_S = item_S // n_micro, item_S % n_micro
         first_B = jnp.where(repeat_S[0] == 0, _index(x_MxB, micro_S[0]), _index(wait_MxB, micro_S[0]))
         in_SxB = split(state_SxB.at[0].set(first_B))
-        chunk_SxC = by_stage(lambda p_VxC, r: jax.tree.map(lambda a: _index(a, r), p_VxC), in_axes=(1, 0))(
-            params_VxSxC, repeat_S)
+        if n_repeats == 1:  # loop-invariant: the backward reads the weights instead of a copy saved per tick
+            chunk_SxC = jax.tree.map(lambda a: a[0], params_VxSxC)
+        else:
+            chunk_SxC = by_stage(lambda p_VxC, r: jax.tree.map(lambda a: _index(a, r), p_VxC), in_axes=(1, 0))(
+                params_VxSxC, repeat_S)
         side_SxB = jax.tree.map(lambda a: split(a[micro_S]), side_MxB)
         y_SxB, aux_S = by_stage(stage_fn)(chunk_SxC, in_SxB, side_SxB)
         y_SxB = split(y_SxB)
@@ -130,6 +139,8 @@ def circular_pipeline(stage_fn: Callable, params_VxSxC, x_MxB, *, mesh, axis: st
     aux_VxS = jax.tree.map(lambda a: jnp.zeros((n_repeats, n_stages, n_micro, *a.shape), a.dtype), aux_like)
     init = (state_SxB, jnp.zeros_like(x_MxB), jnp.zeros_like(x_MxB), aux_VxS)
     ticks = jnp.arange(schedule_ticks(n_stages, n_micro, n_repeats), dtype=jnp.int32)
+    if tick_policy is not None:
+        tick = jax.checkpoint(tick, policy=tick_policy, prevent_cse=False)
     (_, _, out_MxB, aux_VxS), _ = lax.scan(tick, init, ticks)
     return out_MxB, (aux_VxS if with_aux else None)
 

@@ -94,12 +94,17 @@ def step_traffic(cfg, layout: Layout, seq_len: int | None = None) -> list[Traffi
     per_chunk = n_decoder_moe // (layout.stage * layout.virtual) if piped else 0
     # MoE layer executions per device per step: a stage runs one chunk per tick (idle ticks compute too).
     moe_runs = (per_chunk * ticks + (n_moe - n_decoder_moe) * n_micro) if piped else n_moe * n_micro
-    grad_sums = 1 if piped else n_micro  # the pipelined step takes one pass over the local batch
     out: list[Traffic] = []
 
-    if piped:  # the ring: one micro-batch slice to the next stage per tick, and its cotangent back
-        out.append(Traffic("collective-permute", ("stage",), tokens * int(m.d_model) * act, 2 * ticks,
-                           "pipeline hand-off", act_t))
+    if piped:
+        # As XLA compiles parallel/pipeline.py (read on compiled CPU steps): per tick the roll to the next stage is
+        # collective-permutes of one micro-batch slice, two forward and three backward, and the slices every stage
+        # reads from one stage (stage 0's arrivals, the last stage's outputs) are all-reduces over `stage`, two
+        # forward and one backward.
+        slice_bytes = tokens * int(m.d_model) * act
+        out.append(Traffic("collective-permute", ("stage",), slice_bytes, 5 * ticks, "pipeline hand-off", act_t))
+        out.append(Traffic("all-reduce", ("stage",), slice_bytes, 3 * ticks, "pipeline stage 0 / last stage slices",
+                           act_t))
 
     # Expert dispatch.
     ep, k, n_exp, d = layout.expert, int(e.top_k), int(e.n_routed_experts), int(m.d_model)
@@ -126,8 +131,10 @@ def step_traffic(cfg, layout: Layout, seq_len: int | None = None) -> list[Traffi
     for leaf in params:
         f = sizes["fsdp"] if leaf.sharded_over("fsdp") else 1
         shard = leaf.local_bytes(sizes)
-        # A pipelined leaf is gathered a chunk (1 / V of the stage's layers) per tick; any other once per pass.
-        passes, piece = (ticks, layout.virtual) if leaf.pipelined else (n_micro, 1)
+        # A pipelined leaf is gathered, and its gradient summed, a chunk (1 / V of the stage's layers) per tick; any
+        # other leaf once per pass (with stages: one pass over the whole local batch).
+        passes, piece = (ticks, layout.virtual) if leaf.pipelined else (1 if piped else n_micro, 1)
+        grad_sums = passes
         if f > 1:
             gathers = (2 if leaf.stacked else 1) * passes
             if leaf.expert:  # cast, then gathered inside the dispatch shard_map: compute-dtype bytes
@@ -141,7 +148,7 @@ def step_traffic(cfg, layout: Layout, seq_len: int | None = None) -> list[Traffi
             # dispatch._weights_for_compute: the full (fsdp-gathered) gradient summed over data, then
             # reduce-scattered over fsdp, in f32 (model.grad_reduce_dtype) or the compute dtype.
             grad_t = "f32" if m.get("grad_reduce_dtype", "float32") == "float32" else act_t
-            full = shard * f * (4 if grad_t == "f32" else act) // leaf.itemsize
+            full = shard * f * (4 if grad_t == "f32" else act) // leaf.itemsize // piece
             if sizes["data"] > 1:
                 out.append(Traffic("all-reduce", ("data",), full, grad_sums, f"grad sum {leaf.path}", grad_t))
             if f > 1:
@@ -149,13 +156,14 @@ def step_traffic(cfg, layout: Layout, seq_len: int | None = None) -> list[Traffi
                                    grad_t))
         else:
             if f > 1:
-                out.append(Traffic("all-reduce", ("fsdp",), shard * f, grad_sums, f"grad sum (fsdp) {leaf.path}",
-                                   param_t))
+                out.append(Traffic("all-reduce", ("fsdp",), shard * f // piece, grad_sums,
+                                   f"grad sum (fsdp) {leaf.path}", param_t))
             if replicas:
-                out.append(Traffic("all-reduce", replicas, shard, grad_sums, f"grad sum {leaf.path}", param_t))
+                out.append(Traffic("all-reduce", replicas, shard // piece, grad_sums, f"grad sum {leaf.path}", param_t))
         if tp > 1 and leaf.sharded_over("tensor"):
             out += _tensor_traffic(leaf, tokens, n_exp * capacity_per_expert(tokens, k, n_exp, float(e.capacity_factor)),
-                                   act, layout, passes, act_t, layers=leaf.local_layers(sizes) // piece)
+                                   act, layout, ticks if leaf.pipelined else n_micro, act_t,
+                                   layers=leaf.local_layers(sizes) // piece)
     return out
 
 

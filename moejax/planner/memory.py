@@ -16,7 +16,9 @@ Pipeline stages (layout.stage > 1), as moejax/parallel/pipeline.py runs them: a 
 (params, optimizer state, gradients split over `stage`) and every leaf outside the MoE stack whole; the schedule's
 scan keeps each tick's residuals until the backward, i.e. C = L / (S V) layers' residuals for each of the
 M V + S - 1 ticks (all M micro-batches in flight at the end of the forward: GPipe's memory, not 1F1B's); the
-embedding, dense layers, MTP and loss run on the whole local batch (M micro-batches) at once.
+embedding, dense layers, MTP and loss run on the whole local batch (M micro-batches) at once. `stage_copies`: the
+vmap over stages runs each stage's layer scan over [S, C, ...] weights, which XLA transposes to [C, S, ...]: a
+copy of the stage's MoE stack, and one of its gradient, in the backward (measured on compiled CPU steps).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class MemoryEstimate:
     layer_transient: int
     logits: int
     layer_live: int
+    stage_copies: int = 0  # pipeline stages: the stage's MoE stack and its gradient in the layout the stages' vmap wants
 
     @property
     def state(self) -> int:
@@ -50,7 +53,8 @@ class MemoryEstimate:
     def backward(self) -> int:
         """Beside the state during the backward: the gradients, the saved activations, the layer being
         differentiated and the larger transient (one block's rematerialised internals, or the loss)."""
-        return self.grads + self.activations + self.layer_live + max(self.layer_transient, self.logits)
+        return (self.grads + self.activations + self.layer_live + self.stage_copies
+                + max(self.layer_transient, self.logits))
 
     @property
     def optimizer(self) -> int:
@@ -109,4 +113,5 @@ def estimate_memory(cfg, layout: Layout, seq_len: int | None = None, platform: s
         layer_transient=act.layer,
         logits=logits,
         layer_live=_largest_layer_bytes(params, sizes, compute_itemsize),
+        stage_copies=2 * sum(leaf.local_bytes(sizes) for leaf in params if leaf.pipelined),
     )
