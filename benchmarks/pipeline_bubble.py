@@ -1,17 +1,19 @@
 """Pipeline stages: the measured bubble of the circular schedule next to the planner's (S - 1) / (M V), and the
 training step time for PP 1 / 2 / 4 next to the planner's compute factor, on the emulated 8-device CPU mesh.
 
-    python benchmarks/pipeline_bubble.py [--micro 8] [--repeats 3] [--no-steps] [--json benchmarks/results/pipeline_bubble.json]
+    python benchmarks/pipeline_bubble.py [--micro 8] [--repeats 3] [--no-steps]
+        [--json benchmarks/results/pipeline_bubble.json]
 
-Schedule rows: L residual MLP layers (width 512, hidden 2048, 64 rows per micro-batch), forward + backward, run by
+Schedule rows: L residual MLP layers (width 512, hidden 2048, 256 rows per micro-batch), forward + backward, run by
 `circular_pipeline` over S stages x V virtual stages (mesh stage S x data 8/S) and, as the reference, the same
-layers applied in order to every micro-batch on one stage's devices (data 8/S, identical per-device shapes). The
-emulated devices share this machine's cores, so time follows the work all devices do: a stage computes on its idle
-ticks too, and the ratio pipeline / in order - 1 is the bubble as the schedule spends it (on GPUs it is idle
-time), plus the schedule's own overhead (hand-offs, buffer updates).
+layers applied in order to one micro-batch at a time on one stage's devices (data 8/S, identical per-device
+shapes). The emulated devices share this machine's cores, so time follows the work all devices do: a stage
+computes on its idle ticks too, and the ratio pipeline / in order - 1 is the bubble as the schedule spends it (on
+GPUs it is idle time), plus the schedule's own overhead (hand-offs, buffer updates).
 
 Step rows: one training step of a DeepSeek-style model (a dense layer, 8 MoE layers with shared + routed experts,
-MTP; d_model 256) on PP 1 / 2 / 4 with expert 2 inside every stage, M = 8 micro-batches; the planner's
+MTP; d_model 256) on PP 1 / 2 / 4 with expert 2 inside every stage and one sequence per device per pass (PP1:
+gradient accumulation over 4 passes; PP2 / PP4: 8 / 16 micro-batches); the planner's
 `stage_compute` (MoE layers x (1 + bubble), the rest computed by every stage) is the predicted ratio to PP 1.
 """
 
@@ -32,25 +34,16 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
+from moe_layer import timed as _timed  # noqa: E402  (benchmarks/: best of `repeats` after a warm-up)
 from moejax.parallel.pipeline import bubble_fraction, circular_pipeline, to_chunks  # noqa: E402
 
-D, F, ROWS, LAYERS = 512, 2048, 64, 8
+D, F, ROWS, LAYERS = 512, 2048, 256, 8
 
 
 def _layers(params, x_BxD):
     def one(x, w):
         return x + jnp.tanh(x @ w["w1"]) @ w["w2"], None
     return jax.lax.scan(one, x_BxD, params)[0]
-
-
-def _timed(fn, args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))  # compile + warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def schedule_row(stages: int, virtual: int, micro: int, repeats: int) -> dict:
@@ -68,8 +61,8 @@ def schedule_row(stages: int, virtual: int, micro: int, repeats: int) -> dict:
                                  mesh=pipe_mesh, axis="stage", n_repeats=virtual)
         return jnp.sum(y * y)
 
-    def in_order_loss(p, x):
-        return jnp.sum(jax.vmap(lambda xb: _layers(p, xb))(x) ** 2)
+    def in_order_loss(p, x):  # one micro-batch at a time: the pipeline's per-device matmul shapes
+        return jnp.sum(jax.lax.map(lambda xb: _layers(p, xb), x) ** 2)
 
     def put(mesh, tree, spec):
         return jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, spec(a))), tree)
@@ -88,7 +81,7 @@ def schedule_row(stages: int, virtual: int, micro: int, repeats: int) -> dict:
             "measured_bubble": piped_s / in_order_s - 1, "planned_bubble": bubble_fraction(stages, micro, virtual)}
 
 
-def step_row(stages: int, micro: int, repeats: int) -> dict:
+def step_row(stages: int, repeats: int) -> dict:
     from moejax.config import validate
     from moejax.parallel.mesh import batch_sharding, make_mesh
     from moejax.planner.layout import Layout
@@ -99,9 +92,11 @@ def step_row(stages: int, micro: int, repeats: int) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tests.test_pipeline_step import pipeline_config
 
-    cfg = pipeline_config("capacity", micro)
+    cfg = pipeline_config("capacity", 1)
     cfg.model.d_model, cfg.train.seq_len, cfg.train.global_batch = 256, 64, 32
-    cfg.mesh.stage, cfg.mesh.data, cfg.mesh.expert = stages, -1, 2
+    cfg.mesh.stage, cfg.mesh.data, cfg.mesh.expert = stages, 4 // stages, 2
+    micro = cfg.train.global_batch // (cfg.mesh.data * cfg.mesh.expert)  # one sequence per device per pass
+    cfg.train.micro_batches = micro
     sizes = validate(cfg, 8)
     mesh = make_mesh(sizes)
     tx = make_optimizer(cfg.optim)
@@ -110,7 +105,14 @@ def step_row(stages: int, micro: int, repeats: int) -> dict:
     batch = jax.device_put(tokens, batch_sharding(mesh))
     with jax.set_mesh(mesh):
         step = jit_train_step(cfg, model_graphdef(cfg), tx, mesh, shardings).lower(state, batch).compile()
-        step_s = _timed(lambda s, b: step(s, b)[1], (state, batch), repeats)
+        state, metrics = step(state, batch)  # warm-up (the step donates its state: thread it through)
+        jax.block_until_ready(metrics)
+        step_s = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            state, metrics = step(state, batch)
+            jax.block_until_ready(metrics)
+            step_s = min(step_s, time.perf_counter() - t0)
     layout = Layout(sizes["data"], sizes["fsdp"], sizes["expert"], sizes["tensor"], cfg.model.remat,
                     cfg.train.global_batch // (sizes["data"] * sizes["fsdp"] * sizes["expert"]) // micro,
                     cfg.moe.dispatch, stages)
@@ -133,14 +135,15 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"  {r['stages']:3d} {r['virtual']:3d} {r['pipelined_s']:12.4f} {r['in_order_s']:11.4f} "
               f"{r['measured_bubble']:16.1%} {r['planned_bubble']:19.1%}")
-    steps = [] if args.no_steps else [step_row(s, args.micro, args.repeats) for s in (1, 2, 4)]
+    steps = [] if args.no_steps else [step_row(s, args.repeats) for s in (1, 2, 4)]
     if steps:
         base = steps[0]["step_s"]
-        print(f"\ntraining step, DeepSeek-style 1 dense + 8 MoE layers + MTP, expert 2 per stage, M={args.micro}")
-        print(f"  {'PP':>3s} {'step s':>8s} {'vs PP1':>7s} {'planned':>8s} {'planned bubble':>15s}")
+        print("\ntraining step, DeepSeek-style 1 dense + 8 MoE layers + MTP, d_model 256, 32 x 64 tokens, expert 2 "
+              "per stage, one sequence per device per pass")
+        print(f"  {'PP':>3s} {'M':>3s} {'step s':>8s} {'vs PP1':>7s} {'planned':>8s} {'planned bubble':>15s}")
         for r in steps:
-            print(f"  {r['stages']:3d} {r['step_s']:8.3f} {r['step_s'] / base:7.3f} {r['planned_compute']:8.3f} "
-                  f"{r['planned_bubble']:15.1%}")
+            print(f"  {r['stages']:3d} {r['micro']:3d} {r['step_s']:8.3f} {r['step_s'] / base:7.3f} "
+                  f"{r['planned_compute']:8.3f} {r['planned_bubble']:15.1%}")
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"schedule": rows, "steps": steps, "devices": jax.device_count(),

@@ -91,9 +91,9 @@ def step_traffic(cfg, layout: Layout, seq_len: int | None = None) -> list[Traffi
     n_moe = n_decoder_moe + int(m.get("mtp_depth", 0))
     piped = layout.stage > 1
     ticks = schedule_ticks(layout.stage, n_micro, layout.virtual) if piped else 0
-    per_chunk = n_decoder_moe // (layout.stage * layout.virtual) if piped else 0
+    per_chunk = n_decoder_moe / (layout.stage * layout.virtual) if piped else 0  # fractional: an uneven candidate
     # MoE layer executions per device per step: a stage runs one chunk per tick (idle ticks compute too).
-    moe_runs = (per_chunk * ticks + (n_moe - n_decoder_moe) * n_micro) if piped else n_moe * n_micro
+    moe_runs = round(per_chunk * ticks + (n_moe - n_decoder_moe) * n_micro) if piped else n_moe * n_micro
     out: list[Traffic] = []
 
     if piped:

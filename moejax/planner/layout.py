@@ -71,9 +71,13 @@ def layout_config(cfg, layout: Layout):
     """The config with the layout's pipeline stages (the MoE stack's parameters are shaped and split by them); the
     config itself when they already agree."""
     stages, virtual = int(cfg.mesh.get("stage", 1)), int(cfg.mesh.get("virtual_stages", 1))
-    if (stages, virtual) == (layout.stage, layout.virtual):
+    # A candidate whose chunks do not split the MoE layers (e.g. a published layout with another layer split): the
+    # stage's parameters are the same bytes stored [L, ...] as [V, L / V, ...], so its shapes are taken from V = 1.
+    n_pipelined = int(cfg.model.n_layers) - int(cfg.model.first_k_dense)
+    want = (layout.stage, layout.virtual if n_pipelined % (layout.stage * layout.virtual) == 0 else 1)
+    if (stages, virtual) == want:
         return cfg
     c = cfg.copy_and_resolve_references()
     with c.unlocked():
-        c.mesh.stage, c.mesh.virtual_stages = layout.stage, layout.virtual
+        c.mesh.stage, c.mesh.virtual_stages = want
     return c

@@ -100,9 +100,9 @@ def estimate_memory(cfg, layout: Layout, seq_len: int | None = None, platform: s
         n_micro = layout.n_micro(int(cfg.train.global_batch))
         n_pipelined = int(cfg.model.n_layers) - int(cfg.model.first_k_dense)
         outside = max(0, act.saved - n_pipelined * act.moe_layer)  # embedding, dense layers, MTP, loss
-        per_chunk = n_pipelined // (layout.stage * layout.virtual)
+        per_chunk = n_pipelined / (layout.stage * layout.virtual)  # fractional for a candidate that splits unevenly
         saved = (outside * n_micro
-                 + act.moe_layer * per_chunk * schedule_ticks(layout.stage, n_micro, layout.virtual))
+                 + int(act.moe_layer * per_chunk * schedule_ticks(layout.stage, n_micro, layout.virtual)))
         logits *= n_micro
     return MemoryEstimate(
         params=param_bytes,

@@ -21,6 +21,8 @@ def plan(cfg, topo: Topology, gpu_counts: list[int], *, efficiency: float, domai
         runs.append({"gpus": n, "domain_size": domain, "layouts_considered": len(layouts),
                      "layouts_that_fit": sum(p.fits for p in ranked),
                      "best": [p.to_dict() for p in ranked[:top]],
+                     # the fastest layout with pipeline stages (it fits, if any does), for comparison
+                     "best_pipelined": next((p.to_dict() for p in ranked if p.layout.stage > 1), None),
                      "candidates": [_candidate(cfg, topo, lay, ranked, efficiency, domain)
                                     for lay in candidates if lay.n_devices == n]})
     base = next((r for r in runs if r["best"] and r["best"][0]["fits"]), None)
@@ -89,6 +91,11 @@ def format_plan(result: dict) -> str:
             m = r["best"][0]["memory"]
             lines.append("  best layout's memory per GPU (GB): " + ", ".join(
                 f"{k} {v / gb:.1f}" for k, v in m.items()))
+        if (bp := r.get("best_pipelined")) and bp["name"] not in {p["name"] for p in r["best"]}:
+            fit = "fits" if bp["fits"] else "does not fit"
+            lines.append(f"  best with pipeline stages: {bp['name']} ({fit}, {bp['memory']['total'] / gb:.1f} GB): step "
+                         f"{bp['step_s']:.2f} s, {bp['tflops_per_gpu']:.0f} TFLOP/s, bubble {bp['bubble']:.2%}, "
+                         f"compute x{bp['stage_compute']:.3f} of an even split, NIC {bp['wire_bytes']['nic'] / gb:.1f} GB")
         for c in r.get("candidates", []):
             fit = "fits" if c["fits"] else f"does not fit ({c['memory']['total'] / gb:.0f} GB)"
             lines.append(f"  candidate {c['name']}: rank {c['rank']} of {c['of']}, {fit}, step {c['step_s']:.2f} s, "
