@@ -21,8 +21,8 @@ def plan(cfg, topo: Topology, gpu_counts: list[int], *, efficiency: float, domai
         runs.append({"gpus": n, "domain_size": domain, "layouts_considered": len(layouts),
                      "layouts_that_fit": sum(p.fits for p in ranked),
                      "best": [p.to_dict() for p in ranked[:top]],
-                     # the fastest layout with pipeline stages (it fits, if any does), for comparison
-                     "best_pipelined": next((p.to_dict() for p in ranked if p.layout.stage > 1), None),
+                     # the fastest layout with pipeline stages that fits, else the one closest to fitting
+                     "best_pipelined": _best_pipelined(ranked),
                      "candidates": [_candidate(cfg, topo, lay, ranked, efficiency, domain)
                                     for lay in candidates if lay.n_devices == n]})
     base = next((r for r in runs if r["best"] and r["best"][0]["fits"]), None)
@@ -34,6 +34,14 @@ def plan(cfg, topo: Topology, gpu_counts: list[int], *, efficiency: float, domai
             "seq_len": int(cfg.train.seq_len), "runs": runs,
             "assumptions": assumptions(topo, efficiency, runs[0]["domain_size"] if runs else 0, cfg,
                                        remats=remats, dispatches=dispatches)}
+
+
+def _best_pipelined(ranked) -> dict | None:
+    staged = [p for p in ranked if p.layout.stage > 1]
+    if not staged:
+        return None
+    fitting = [p for p in staged if p.fits]
+    return (fitting[0] if fitting else min(staged, key=lambda p: p.memory.total)).to_dict()
 
 
 def _candidate(cfg, topo: Topology, layout: Layout, ranked, efficiency: float, domain: int) -> dict:
