@@ -90,7 +90,10 @@ def test_hand_off_bytes_and_their_link(stages, domain, nic_share):
     assert len(hand) == 1 and hand[0].axes == ("stage",)
     n_micro = lay.n_micro(cfg.train.global_batch)
     assert hand[0].bytes == 1 * 16 * cfg.model.d_model * 4  # one micro-batch's [mb, seq, d_model] f32 per device
-    assert hand[0].count == 2 * schedule_ticks(stages, n_micro, 1)  # forward and backward, every tick
+    # as XLA compiles the schedule: 2 forward + 3 backward permutes per tick, and 3 all-reduces over `stage`
+    assert hand[0].count == 5 * schedule_ticks(stages, n_micro, 1)
+    reads = [t for t in step_traffic(cfg, lay) if t.axes == ("stage",) and t.kind == "all-reduce"]
+    assert len(reads) == 1 and reads[0].bytes == hand[0].bytes and reads[0].count == 3 * schedule_ticks(stages, n_micro, 1)
     w = wire_bytes(hand[0], lay.sizes, domain)
     assert w["nic"] == pytest.approx(nic_share * hand[0].total) and w["nvlink"] + w["nic"] == pytest.approx(hand[0].total)
 
