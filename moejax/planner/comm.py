@@ -22,6 +22,8 @@ The rules, per step (n_micro passes of forward + backward; layers' collectives r
                    permute over `stage`, forward and backward); the MoE stack's collectives above run per tick
                    for a chunk; the rest of the model runs the whole local batch in one pass and every gradient
                    is summed once per step
+  LM head          under the chunked loss its gradient is summed over the batch axes once per chunk of
+                   kernels.loss_chunk positions and per head (MTP heads share it), inside the loss's backward scan
 Small collectives (losses, norms, router statistics: O(experts) floats) are left out.
 Each collective carries the element type it moves at the model's dtypes (HLO names: bf16, f32, s32), which is
 what a GPU moves; XLA:CPU widens bf16 collectives to f32 (see parallel/hlo_collectives.py).
@@ -95,6 +97,10 @@ def step_traffic(cfg, layout: Layout, seq_len: int | None = None) -> list[Traffi
     # MoE layer executions per device per step: a stage runs one chunk per tick (idle ticks compute too).
     moe_runs = round(per_chunk * ticks + (n_moe - n_decoder_moe) * n_micro) if piped else n_moe * n_micro
     out: list[Traffic] = []
+    # kernels.loss auto resolves to the chunked loss on every platform (kernels/resolve.py)
+    chunked = cfg.kernels.get("loss", "auto") in ("auto", "chunked")
+    loss_chunks = -(-seq // min(int(cfg.kernels.get("loss_chunk", seq)), seq)) if chunked else 1
+    n_heads = 1 + int(m.get("mtp_depth", 0))
 
     if piped:
         # As XLA compiles parallel/pipeline.py (read on compiled CPU steps): per tick the roll to the next stage is
@@ -144,6 +150,10 @@ def step_traffic(cfg, layout: Layout, seq_len: int | None = None) -> list[Traffi
                 out.append(Traffic("all-gather", ("fsdp",), shard * f // piece, gathers, f"fsdp gather {leaf.path}",
                                    param_t))
         replicas = _group([a for a in BATCH_AXES if not leaf.sharded_over(a)], sizes)
+        if leaf.path == "['head_DxV']" and loss_chunks > 1:
+            # The chunked loss's backward scan adds each chunk's head gradient, and GSPMD sums it over the batch
+            # axes inside the scan: once per chunk and head (seen in compiled 671B steps), not once per pass.
+            grad_sums *= loss_chunks * n_heads
         if leaf.expert:
             # dispatch._weights_for_compute: the full (fsdp-gathered) gradient summed over data, then
             # reduce-scattered over fsdp, in f32 (model.grad_reduce_dtype) or the compute dtype.
