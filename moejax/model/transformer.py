@@ -22,7 +22,7 @@ from moejax.model.layers import LAYERS_AXIS_METADATA, MLP, Embed, RMSNorm, dtype
 from moejax.model.moe import MoE, MoEStats, combine_micro_stats
 from moejax.model.rope import segment_positions
 from moejax.parallel.mesh import constrain, current_mesh
-from moejax.parallel.pipeline import circular_pipeline, merge_micro_batches, micro_batches
+from moejax.parallel.pipeline import circular_pipeline, merge_micro_batches, micro_batches, to_chunks
 
 # The pipelined MoE stack's layer dim is split over the `stage` mesh axis; with virtual stages it is stored as
 # [virtual_stages, layers / virtual_stages] (repeat r, layer k = layer r * L / V + k), so each stage's chunks are a
@@ -103,6 +103,13 @@ def _split_repeats(blocks, n_repeats: int):
             var.set_metadata(logical_axes=("repeat", *var.get_metadata()["logical_axes"]))
 
 
+def moe_stack_repeats(cfg) -> int:
+    """How the MoE stack is stored: V = mesh.virtual_stages for a pipelined model with virtual stages ([V, L / V,
+    ...]), else 1 ([L, ...]); the layer order is the same in both."""
+    stages, virtual = int(cfg.mesh.get("stage", 1)), int(cfg.mesh.get("virtual_stages", 1))
+    return virtual if stages > 1 and int(cfg.model.n_layers) > int(cfg.model.first_k_dense) else 1
+
+
 def _as_chunks(state, n_stages: int, n_repeats: int):
     """The pipelined stack's variables as [V, S, L / (S V), ...] chunks, named like a plain layer stack (what
     _run_stack scans over once the pipeline has taken V and S off)."""
@@ -111,7 +118,7 @@ def _as_chunks(state, n_stages: int, n_repeats: int):
         names = var.get_metadata()["logical_axes"]
         value = var.get_value()
         per_layer = value.shape[2:] if n_repeats > 1 else value.shape[1:]
-        value = value.reshape(n_repeats, n_stages, -1, *per_layer)
+        value = to_chunks(value.reshape(-1, *per_layer), n_stages, n_repeats)
         return var.replace(value, logical_axes=("layers", *names[len(names) - len(per_layer):]))
 
     return jax.tree.map(chunk, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
@@ -203,7 +210,7 @@ class Transformer(nnx.Module):
         self.dense_layers = _stacked_blocks(cfg, self.n_dense, moe=False, rngs=rngs) if self.n_dense else None
         self.moe_layers = (_stacked_blocks(cfg, self.n_moe, moe=True, rngs=rngs, in_pipeline=self.pipelined)
                            if self.n_moe else None)
-        if self.pipelined and self.virtual_stages > 1:
+        if moe_stack_repeats(cfg) > 1:
             _split_repeats(self.moe_layers, self.virtual_stages)
         self.final_norm = RMSNorm(m.d_model, eps=m.norm_eps, param_dtype=pdt)
         self.head_DxV = param(rngs, (m.d_model, m.vocab_size), ("embed", "vocab"), std=m.init_std, dtype=pdt)

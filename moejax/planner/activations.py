@@ -190,10 +190,9 @@ def activation_terms(cfg, micro_batch: int, seq_len: int, remat: str, *, tensor:
     # inside the MoE blocks, whose residuals the scan saves per layer: add each block's change at ep (equal
     # to tracing the whole model on the ep mesh, tests/test_planner_memory.py; a fraction of the time).
     saved = _bytes(_saved(key, micro_batch, seq_len, 1), d_model, 1, tensor, weights)
-    if ep > 1:
-        saved += n_moe_blocks * (_bytes(_block(key, True, micro_batch, seq_len, ep, remat), d_model, ep, tensor)
-                                 - _bytes(_block(key, True, micro_batch, seq_len, 1, remat), d_model, 1, tensor))
     moe_layer = _bytes(_block(key, True, micro_batch, seq_len, ep, remat), d_model, ep, tensor) if n_moe_blocks else 0
+    if ep > 1:
+        saved += n_moe_blocks * (moe_layer - _bytes(_block(key, True, micro_batch, seq_len, 1, remat), d_model, 1, tensor))
     layer = 0
     kinds = [False] * (int(m.first_k_dense) > 0) + [True] * (int(m.n_layers) > int(m.first_k_dense))
     if remat != "none":

@@ -19,9 +19,9 @@ The rules, per step (n_micro passes of forward + backward; layers' collectives r
                    its input gradient in the backward. Rows: the device's tokens, or E*C for expert weights
   pipeline stages  (layout.stage > 1, parallel/pipeline.py) each of the M V + S - 1 ticks runs one chunk of L / (S V)
                    MoE layers per stage and hands one micro-batch's activations to the next stage (collective-
-                   permute over `stage`, forward and backward); the MoE stack's collectives above run per tick
-                   for a chunk; the rest of the model runs the whole local batch in one pass and every gradient
-                   is summed once per step
+                   permute over `stage`, forward and backward); the MoE stack's collectives above (gathers and
+                   gradient sums included) run per tick for a chunk; the rest of the model runs the whole local
+                   batch in one pass, its gradients summed once per step
   LM head          under the chunked loss its gradient is summed over the batch axes once per chunk of
                    kernels.loss_chunk positions and per head (MTP heads share it), inside the loss's backward scan
 Small collectives (losses, norms, router statistics: O(experts) floats) are left out.

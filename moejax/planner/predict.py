@@ -142,7 +142,7 @@ def enumerate_layouts(cfg, n_gpus: int, domain_size: int, *, remats=REMAT_POLICI
         piece = domain_size // max(1, n_stages // max(1, n_gpus // domain_size)) if domain_size else per_stage
         for expert in _divisors(per_stage):
             for tensor in (t for t in _divisors(max_tensor) if per_stage % (expert * t) == 0):
-                if domain_size % (expert * tensor) or piece % (expert * tensor):
+                if domain_size % (expert * tensor) or piece % (expert * tensor) or cfg.model.n_heads % tensor:
                     continue
                 rest = per_stage // (expert * tensor)
                 for fsdp in _divisors(rest):
@@ -162,8 +162,6 @@ def enumerate_layouts(cfg, n_gpus: int, domain_size: int, *, remats=REMAT_POLICI
                         try:
                             validate(trial, n_gpus)
                         except ConfigError:
-                            continue
-                        if cfg.model.n_heads % tensor:
                             continue
                         for remat in remats:
                             for dispatch in dispatches:

@@ -14,7 +14,7 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from moejax.model.transformer import Transformer
+from moejax.model.transformer import Transformer, moe_stack_repeats
 from moejax.parallel.mesh import logical_to_spec
 
 
@@ -80,17 +80,12 @@ def stacked_like(saved_cfg: dict, cfg):
     Pipeline stages with virtual stages store the MoE stack as [V, L / V, ...] (model/transformer.py), any other
     layout as [L, ...]; both hold the layers in layer order, so a checkpoint of one restores onto the other by a
     reshape (restack). The stage count alone changes no shape."""
-    def stacking(stage: int, virtual: int) -> int:
-        return virtual if stage > 1 and virtual > 1 and int(cfg.model.n_layers) > int(cfg.model.first_k_dense) else 1
-
     saved_mesh = saved_cfg.get("mesh", {})
-    saved = stacking(int(saved_mesh.get("stage", 1)), int(saved_mesh.get("virtual_stages", 1)))
-    if saved == stacking(int(cfg.mesh.get("stage", 1)), int(cfg.mesh.get("virtual_stages", 1))):
-        return None
     like = cfg.copy_and_resolve_references()
     with like.unlocked():
-        like.mesh.stage, like.mesh.virtual_stages = (2, saved) if saved > 1 else (1, 1)
-    return like
+        like.mesh.stage = int(saved_mesh.get("stage", 1))
+        like.mesh.virtual_stages = int(saved_mesh.get("virtual_stages", 1))
+    return None if moe_stack_repeats(like) == moe_stack_repeats(cfg) else like
 
 
 def restack(state: TrainState, abstract, shardings, mesh: Mesh) -> TrainState:
