@@ -178,6 +178,12 @@ def _validate_pipeline(cfg, sizes: dict[str, int], n_moe_layers: int):
     if micro < stages:
         raise ConfigError(f"train.micro_batches={micro} is fewer than mesh.stage={stages}: every stage needs a "
                           f"micro-batch in flight; set train.micro_batches >= {stages} (bubble (S-1)/(M x V))")
+    rows_split = stages * sizes["data"] * sizes["fsdp"] * sizes["expert"]
+    if int(cfg.train.global_batch) % rows_split:
+        raise ConfigError(
+            f"train.global_batch={cfg.train.global_batch} is not divisible by stage*data*fsdp*expert={rows_split}: "
+            f"outside the pipeline stages (embedding, dense layers, head, loss) the rows are split over the stages "
+            f"too; use a global batch that is a multiple of {rows_split}")
 
 
 def _validate_run_guards(cfg):

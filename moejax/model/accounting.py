@@ -56,13 +56,23 @@ def macs_per_token(cfg, seq_len: int) -> float:
             + n_moe * moe_ffn + mtp_extra + heads)
 
 
+def _moe_layer_macs_per_token(m, e, seq_len: int) -> float:
+    return _attention_macs_per_token(m, seq_len) + 3 * m.d_model * e.d_ff_expert * (e.top_k + e.n_shared_experts)
+
+
 def pipelined_macs_fraction(cfg, seq_len: int) -> float:
     """The share of macs_per_token in the decoder's MoE layers: what pipeline stages split (mesh.stage > 1); the
     embedding, the first-k dense layers, MTP and the heads run outside the pipeline."""
-    m, e = cfg.model, cfg.moe
-    n_moe = m.n_layers - m.first_k_dense
-    per_layer = _attention_macs_per_token(m, seq_len) + 3 * m.d_model * e.d_ff_expert * (e.top_k + e.n_shared_experts)
-    return n_moe * per_layer / macs_per_token(cfg, seq_len)
+    m = cfg.model
+    return (m.n_layers - m.first_k_dense) * _moe_layer_macs_per_token(m, cfg.moe, seq_len) / macs_per_token(cfg, seq_len)
+
+
+def mtp_blocks_macs_fraction(cfg, seq_len: int) -> float:
+    """The share of macs_per_token in the MTP modules' blocks and projections (not their heads): what every
+    pipeline stage computes alike (their MoE statistics are per micro-batch pass)."""
+    m = cfg.model
+    per_module = _moe_layer_macs_per_token(m, cfg.moe, seq_len) + 2 * m.d_model * m.d_model
+    return m.get("mtp_depth", 0) * per_module / macs_per_token(cfg, seq_len)
 
 
 def fp8_macs_fraction(cfg, seq_len: int) -> float:

@@ -4,7 +4,10 @@ norm and LM head, then the Multi-Token Prediction modules on the last hidden sta
 With pipeline stages (mesh.stage > 1) the MoE blocks run as a circular pipeline over the `stage` mesh axis
 (moejax/parallel/pipeline.py) on train.micro_batches micro-batches: the embedding and dense blocks before it, the
 final norm, MTP modules and head after it, each MTP pass and every MoE statistic per micro-batch (as gradient
-accumulation computes them)."""
+accumulation computes them). The embedding, dense blocks, final norm, head and loss run data-parallel over the stages
+(their rows split over `stage` too: parallel/mesh.batch_axes), so no stage repeats them; the rows are gathered over
+`stage` where the pipeline starts. The MTP modules run on every stage alike (their per-pass statistics need every
+micro-batch's pass)."""
 
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ from moejax.model.attention import make_attention
 from moejax.model.layers import LAYERS_AXIS_METADATA, MLP, Embed, RMSNorm, dtype_of, grads_in_f32, param, project
 from moejax.model.moe import MoE, MoEStats, combine_micro_stats
 from moejax.model.rope import segment_positions
-from moejax.parallel.mesh import constrain, current_mesh
+from moejax.parallel.mesh import constrain, current_mesh, inside_stage
 from moejax.parallel.pipeline import circular_pipeline, merge_micro_batches, micro_batches, to_chunks
 
 # The pipelined MoE stack's layer dim is split over the `stage` mesh axis; with virtual stages it is stored as
@@ -286,6 +289,22 @@ class Transformer(nnx.Module):
         if mesh is None or mesh.shape.get("stage", 1) != self.stages:
             raise ValueError(f"this model was built for mesh.stage={self.stages} pipeline stages; run it under a "
                              f"mesh with that stage axis (jax.set_mesh), not {None if mesh is None else mesh.shape}")
+        # Outside the stages the rows are split over `stage` too (mesh.batch_axes): the embedding and the dense
+        # layers above, the head and the loss after this ran data-parallel over the stages. The MoE stack needs every
+        # micro-batch on every stage (each stage runs its chunks on all of them): gathered over `stage` here.
+        with inside_stage():
+            x_BxLxD = constrain(x_BxLxD, ACT_BxLxD)
+            y_MxBxLxD, mtp_h_DxBxLxD, stats = self._stages_and_mtp(mesh, x_BxLxD, tokens_BxL, positions_BxL,
+                                                                  segment_ids_BxL)
+        # Back to rows split over `stage` (a local slice of what every stage holds) before the head and the loss.
+        h_BxLxD = constrain(merge_micro_batches(y_MxBxLxD), ACT_BxLxD)
+        if mtp_h_DxBxLxD is not None:
+            mtp_h_DxBxLxD = constrain(mtp_h_DxBxLxD, (None, *ACT_BxLxD))
+        return HiddenOutput(self.final_norm(h_BxLxD), mtp_h_DxBxLxD, stats)
+
+    def _stages_and_mtp(self, mesh, x_BxLxD, tokens_BxL, positions_BxL, segment_ids_BxL):
+        """Inside the stages: the MoE stack's pipeline, then the MTP modules once per micro-batch on every stage
+        alike (replicated over `stage`, as their MoE statistics are per pass: [M, rows, ...])."""
         n_micro = self.micro_batches
         side = {"positions": micro_batches(positions_BxL, n_micro)}
         if segment_ids_BxL is not None:
@@ -297,13 +316,16 @@ class Transformer(nnx.Module):
             return _run_stack(nnx.merge(graphdef, chunk_state), x, side_m["positions"], side_m.get("segments"),
                               self.remat)
 
-        x_MxBxLxD = micro_batches(x_BxLxD, n_micro)
+        # Micro-batches keep the rows' split (each device's share of every micro-batch) on the way in and out, so
+        # the backward's per-tick slices of their cotangents need no re-layout either.
+        x_MxBxLxD = constrain(micro_batches(x_BxLxD, n_micro), (None, *ACT_BxLxD))
         one = jax.tree.map(lambda a: a[0], (x_MxBxLxD, side))
         chunk_like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[2:], a.dtype), chunks)
         stats_like = jax.eval_shape(stage_fn, chunk_like, *one)[1]
         y_MxBxLxD, stats_VxSxMxC = circular_pipeline(stage_fn, chunks, x_MxBxLxD, mesh=mesh, axis="stage",
                                                      n_repeats=self.virtual_stages, side_MxB=side, aux_like=stats_like,
                                                      tick_policy=_tick_policy(self.remat) if self.virtual_stages > 1 else None)
+        y_MxBxLxD = constrain(y_MxBxLxD, (None, *ACT_BxLxD))
         # [V, S, M, C, ...] -> [M, L, ...] in layer order
         stats_MxL = jax.tree.map(lambda a: jnp.moveaxis(a, 2, 0).reshape(n_micro, -1, *a.shape[4:]), stats_VxSxMxC)
 
@@ -320,4 +342,4 @@ class Transformer(nnx.Module):
             lambda a, b: jnp.concatenate([a, b], axis=1), stats_MxL, mtp_stats_Mx)
         mtp_h_DxBxLxD = None if mtp_h_MxDx is None else jnp.stack(
             [merge_micro_batches(mtp_h_MxDx[:, k]) for k in range(mtp_h_MxDx.shape[1])])
-        return HiddenOutput(self.final_norm(merge_micro_batches(y_MxBxLxD)), mtp_h_DxBxLxD, stats)
+        return y_MxBxLxD, mtp_h_DxBxLxD, stats

@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from moejax.kernels import grouped_gemm
 from moejax.parallel import dropless
-from moejax.parallel.mesh import BATCH_AXES, EXPERT_AXIS, FFN_AXIS, FSDP_AXIS, current_mesh
+from moejax.parallel.mesh import EXPERT_AXIS, FFN_AXIS, FSDP_AXIS, batch_axes, current_mesh
 from moejax.parallel.routing_plan import combine_rows, dispatch_rows, make_plan
 
 
@@ -72,7 +72,7 @@ def _plan(expert_idx_TxK, expert_w_TxK, n_experts, capacity, drop_policy):
 def _stats(counts_E, dropped, assignments, collective: bool, rounds=1) -> DispatchStats:
     counts_E, dropped, assignments = counts_E.astype(jnp.int32), dropped.astype(jnp.int32), jnp.int32(assignments)
     if collective:
-        counts_E, dropped, assignments = jax.lax.psum((counts_E, dropped, assignments), BATCH_AXES)
+        counts_E, dropped, assignments = jax.lax.psum((counts_E, dropped, assignments), batch_axes())
     return DispatchStats(counts_E, dropped, assignments, jnp.asarray(rounds, jnp.int32))
 
 
@@ -141,33 +141,34 @@ def _dropless_moe(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF,
     return out_TxD, _stats(counts_E, jnp.int32(0), expert_idx_TxK.size, collective, rounds)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def _weights_for_compute(w_shard, d_model_dim: int, dtype, f32_grad: bool, sizes: tuple[int, int]):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+def _weights_for_compute(w_shard, d_model_dim: int, dtype, f32_grad: bool, replicas: tuple[str, ...], fsdp: int):
     """Inside the dispatch shard_map: this device's expert weights cast to the compute dtype, then all-gathered
-    over fsdp (stored split on d_model): the gather moves compute-dtype bytes. sizes = (data, fsdp) axis sizes: no
-    gather over an fsdp axis of size 1 (XLA:CPU would keep a trivial one).
+    over fsdp (stored split on d_model): the gather moves compute-dtype bytes. replicas: the batch axes of size > 1
+    the weights are replicated over (data; `stage` too outside pipeline stages); fsdp: that axis' size (no gather
+    over an fsdp axis of size 1: XLA:CPU would keep a trivial one).
 
     Backward (the mixed-precision contract): the weight gradient is summed over data and reduce-scattered over
     fsdp in f32 (f32_grad) - autodiff would do both in the compute dtype, at the shard_map boundary. The output
     is marked varying over data so no implicit (compute-dtype) reduction is left for shard_map to insert.
     """
     w = w_shard.astype(dtype)
-    if sizes[1] > 1:
+    if fsdp > 1:
         w = jax.lax.all_gather(w, FSDP_AXIS, axis=d_model_dim, tiled=True)
     # The in_spec does not split the weights over data (invariant there); all_gather leaves them varying over fsdp.
-    # With data of size 1 there is nothing to sum: shard_map's own (compute-dtype) pvary/psum pair is a no-op.
-    return jax.lax.pcast(w, ("data",), to="varying") if sizes[0] > 1 else w
+    # Over axes of size 1 there is nothing to sum: shard_map's own (compute-dtype) pvary/psum pair is a no-op.
+    return jax.lax.pcast(w, replicas, to="varying") if replicas else w
 
 
-def _weights_fwd(w_shard, d_model_dim, dtype, f32_grad, sizes):
-    return _weights_for_compute(w_shard, d_model_dim, dtype, f32_grad, sizes), jnp.zeros((0,), w_shard.dtype)
+def _weights_fwd(w_shard, d_model_dim, dtype, f32_grad, replicas, fsdp):
+    return _weights_for_compute(w_shard, d_model_dim, dtype, f32_grad, replicas, fsdp), jnp.zeros((0,), w_shard.dtype)
 
 
-def _weights_bwd(d_model_dim, dtype, f32_grad, sizes, param_dtype_0, grad_w):
+def _weights_bwd(d_model_dim, dtype, f32_grad, replicas, fsdp, param_dtype_0, grad_w):
     grad_w = grad_w.astype(jnp.float32 if f32_grad else dtype)
-    if sizes[0] > 1:
-        grad_w = jax.lax.psum(grad_w, "data")
-    if sizes[1] > 1:
+    if replicas:
+        grad_w = jax.lax.psum(grad_w, replicas)
+    if fsdp > 1:
         grad_w = jax.lax.psum_scatter(grad_w, FSDP_AXIS, scatter_dimension=d_model_dim, tiled=True)
     return (grad_w.astype(param_dtype_0.dtype),)
 
@@ -195,12 +196,12 @@ def routed_experts(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF
                        collective=False, ffn_axis=None)
 
     ep = mesh.shape[EXPERT_AXIS]
-    batch_shards = math.prod(mesh.shape[a] for a in BATCH_AXES)
+    batch_shards = math.prod(mesh.shape[a] for a in batch_axes())
     if x_TxD.shape[0] % batch_shards:
         raise ValueError(f"{x_TxD.shape[0]} tokens do not split over {batch_shards} batch shards")
     capacity = _buffer_rows(mode, x_TxD.shape[0] // batch_shards, top_k, n_experts, ep, capacity_factor,
                             dropless_window, gemm)
-    tokens = P(BATCH_AXES, None)
+    tokens = P(batch_axes(), None)
     # Expert weights enter as stored: split over `expert`, over fsdp on d_model, and over the tensor axis on the
     # FFN dim; inside, they are cast and all-gathered over fsdp (_weights_for_compute). Tokens are replicated over
     # tensor, so each tensor rank computes its FFN slice and the down projection is psum'd over tensor.
@@ -208,11 +209,12 @@ def routed_experts(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF
     w_in = P(EXPERT_AXIS, FSDP_AXIS, ffn_axis)  # gate, up: [E, D, F]
     w_out = P(EXPERT_AXIS, ffn_axis, FSDP_AXIS)  # down: [E, F, D]
     stats_spec = DispatchStats(P(), P(), P(), P())
+    replicas = tuple(a for a in batch_axes() if a not in (EXPERT_AXIS, FSDP_AXIS) and mesh.shape[a] > 1)
+    fsdp = mesh.shape[FSDP_AXIS]
 
     def body(x, idx, w, w_gate, w_up, w_down):
-        sizes = (mesh.shape["data"], mesh.shape[FSDP_AXIS])
-        w_gate, w_up = (_weights_for_compute(w_, 1, dtype, f32_grad, sizes) for w_ in (w_gate, w_up))
-        w_down = _weights_for_compute(w_down, 2, dtype, f32_grad, sizes)
+        w_gate, w_up = (_weights_for_compute(w_, 1, dtype, f32_grad, replicas, fsdp) for w_ in (w_gate, w_up))
+        w_down = _weights_for_compute(w_down, 2, dtype, f32_grad, replicas, fsdp)
         return body_fn(x, idx, w, w_gate, w_up, w_down, n_experts=n_experts, ep=ep, capacity=capacity, gemm=gemm,
                        drop_policy=drop_policy, collective=True, ffn_axis=ffn_axis)
 

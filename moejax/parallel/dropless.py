@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.kernels import fp8, grouped_gemm
-from moejax.parallel.mesh import BATCH_AXES, EXPERT_AXIS
+from moejax.parallel.mesh import EXPERT_AXIS, batch_axes
 from moejax.parallel.routing_plan import combine_rows, dispatch_rows
 
 
@@ -129,7 +129,7 @@ def _emulated(rows_NxD, input_offsets, send_sizes, output_offsets, recv_sizes, o
     if len(chunks) == 1:
         return _emulated_ragged_all_to_all(*args, out_rows, chunks[0])
     # Every device of the mesh takes the same branch (collectives inside): the largest send decides.
-    largest = jax.lax.pmax(jnp.max(send_sizes), BATCH_AXES)
+    largest = jax.lax.pmax(jnp.max(send_sizes), batch_axes())
     pick = jnp.sum(largest > jnp.asarray(chunks[:-1], jnp.int32))
     branches = [functools.partial(_emulated_ragged_all_to_all, out_rows=out_rows, chunk=c) for c in chunks]
     return jax.lax.switch(pick, branches, *args)
@@ -140,7 +140,7 @@ def ragged_exchange(rows_NxD, input_offsets, send_sizes, output_offsets, recv_si
 
     def native(rows, in_off, send, out_off, recv):
         # The output buffer varies over the batch axes like the rows (shard_map's check_vma typing).
-        out = jax.lax.pcast(jnp.zeros((out_rows, rows.shape[-1]), rows.dtype), BATCH_AXES, to="varying")
+        out = jax.lax.pcast(jnp.zeros((out_rows, rows.shape[-1]), rows.dtype), batch_axes(), to="varying")
         return jax.lax.ragged_all_to_all(rows, out, in_off, send, out_off, recv, axis_name=EXPERT_AXIS)
 
     def emulated(rows, in_off, send, out_off, recv):
@@ -321,7 +321,7 @@ def dropless_moe(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF, 
         # Every device of the mesh runs the same number of rounds (collectives inside): the largest load decides.
         need = jnp.sum(ex.recv_sizes_P)
         if collective:
-            need = jax.lax.pmax(need, BATCH_AXES)
+            need = jax.lax.pmax(need, batch_axes())
         # Overflow rounds take a quarter window each: an overload a little above the window costs a little more.
         overflow_window = overflow_window_rows(window, grouped_gemm.row_multiple(gemm))
         n_rounds = 1 + jnp.maximum(need - window + overflow_window - 1, 0) // overflow_window

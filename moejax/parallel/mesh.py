@@ -7,6 +7,9 @@ never a silent replication.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
@@ -16,14 +19,38 @@ from moejax.parallel.device_grid import hybrid_device_grid
 from moejax.parallel.topology import detect_topology, device_domains, get_topology
 
 # Tokens are split over every axis that is not model-parallel: experts see all of them through all-to-all.
+# Inside a pipeline stage these (the stage's own devices); outside the stages also over `stage` (batch_axes()).
 BATCH_AXES = ("data", "fsdp", "expert")
+STAGE_AXIS = "stage"
 EXPERT_AXIS = "expert"
 FSDP_AXIS = "fsdp"  # parameters' d_model ("embed") split (LOGICAL_RULES["embed"])
 FFN_AXIS = "tensor"  # expert FFN slices inside the dispatch shard_map (LOGICAL_RULES["expert_mlp"])
 
+_INSIDE_STAGE = contextvars.ContextVar("moejax_inside_stage", default=False)
+
+
+@contextlib.contextmanager
+def inside_stage():
+    """Code traced in this block runs inside a pipeline stage (the stage function, under the pipeline's vmap over
+    `stage`, or what every stage computes alike): its token rows are split over BATCH_AXES only."""
+    token = _INSIDE_STAGE.set(True)
+    try:
+        yield
+    finally:
+        _INSIDE_STAGE.reset(token)
+
+
+def batch_axes() -> tuple[str, ...]:
+    """The mesh axes token rows are split over where this is traced. Outside pipeline stages `stage` too: the
+    embedding, the dense layers, the LM head and the loss run data-parallel over the stages (each computes 1/S of
+    the rows, none the whole batch); the rows are gathered over `stage` where the pipeline starts. Without stages
+    the axis has size 1 and changes nothing."""
+    return BATCH_AXES if _INSIDE_STAGE.get() else (*BATCH_AXES, STAGE_AXIS)
+
+
 LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     # activations
-    "batch": BATCH_AXES,
+    "batch": BATCH_AXES,  # resolved by batch_axes() where it is used (logical_to_spec)
     "seq": None,
     "act_embed": None,
     # parameters
@@ -82,7 +109,7 @@ def logical_to_spec(names) -> P:
             continue
         if name not in LOGICAL_RULES:
             raise KeyError(f"logical axis {name!r} has no rule in moejax.parallel.mesh.LOGICAL_RULES")
-        out.append(LOGICAL_RULES[name])
+        out.append(batch_axes() if name == "batch" else LOGICAL_RULES[name])
     return P(*out)
 
 
@@ -110,7 +137,7 @@ def map_over_batch(fn, *arrays_BxN):
     mesh = current_mesh()
     if mesh is None:
         return fn(*arrays_BxN)
-    spec = P(BATCH_AXES)
+    spec = P(batch_axes())
     return jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * len(arrays_BxN), out_specs=spec)(*arrays_BxN)
 
 
@@ -123,11 +150,12 @@ def map_over_batch_heads(fn, q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, segment_ids_BxL=No
         return fn(q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, segment_ids_BxL)
     tensor = mesh.shape["tensor"]
     heads = "tensor" if q_BxLxHxK.shape[2] % tensor == 0 and k_BxLxGxK.shape[2] % tensor == 0 else None
-    qkv = P(BATCH_AXES, None, heads, None)
+    rows = batch_axes()
+    qkv = P(rows, None, heads, None)
     if segment_ids_BxL is None:
         return jax.shard_map(lambda q, k, v: fn(q, k, v, None), mesh=mesh, in_specs=(qkv,) * 3, out_specs=qkv,
                              check_vma=False)(q_BxLxHxK, k_BxLxGxK, v_BxLxGxV)
-    return jax.shard_map(fn, mesh=mesh, in_specs=(qkv,) * 3 + (P(BATCH_AXES, None),), out_specs=qkv,
+    return jax.shard_map(fn, mesh=mesh, in_specs=(qkv,) * 3 + (P(rows, None),), out_specs=qkv,
                          check_vma=False)(q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, segment_ids_BxL)
 
 

@@ -111,6 +111,15 @@ def step_traffic(cfg, layout: Layout, seq_len: int | None = None) -> list[Traffi
         out.append(Traffic("collective-permute", ("stage",), slice_bytes, 5 * ticks, "pipeline hand-off", act_t))
         out.append(Traffic("all-reduce", ("stage",), slice_bytes, 3 * ticks, "pipeline stage 0 / last stage slices",
                            act_t))
+        # Outside the stages the rows are split over `stage` as well (parallel/mesh.batch_axes): they are gathered
+        # where the pipeline starts, and the cotangents of the stages' outputs (the hidden state, each MTP module's)
+        # where the backward enters it.
+        out.append(Traffic("all-gather", ("stage",), slice_bytes * n_micro, 1, "rows gathered over stage into the "
+                           "pipeline", act_t))
+        # XLA splits the backward's gathers in two steps with more than two stages (1.5 x the bytes, measured at
+        # S = 4 on compiled CPU steps).
+        out.append(Traffic("all-gather", ("stage",), slice_bytes * n_micro * (3 if layout.stage > 2 else 2) // 2,
+                           1 + int(m.get("mtp_depth", 0)), "cotangents gathered over stage into the pipeline", act_t))
 
     # Expert dispatch.
     ep, k, n_exp, d = layout.expert, int(e.top_k), int(e.n_routed_experts), int(m.d_model)
@@ -149,7 +158,11 @@ def step_traffic(cfg, layout: Layout, seq_len: int | None = None) -> list[Traffi
             else:
                 out.append(Traffic("all-gather", ("fsdp",), shard * f // piece, gathers, f"fsdp gather {leaf.path}",
                                    param_t))
-        replicas = _group([a for a in BATCH_AXES if not leaf.sharded_over(a)], sizes)
+        # Outside the stages (parallel/mesh.batch_axes) a leaf's rows are split over `stage` too, and its gradient
+        # summed over it; the MTP modules run inside the stages, on every stage alike (replicated over `stage`).
+        outside = piped and not leaf.pipelined and not leaf.path.startswith("['mtp']")
+        replicas = _group([a for a in BATCH_AXES + (("stage",) if outside else ()) if not leaf.sharded_over(a)],
+                          sizes)
         if leaf.path == "['head_DxV']" and loss_chunks > 1:
             # The chunked loss's backward scan adds each chunk's head gradient, and GSPMD sums it over the batch
             # axes inside the scan: once per chunk and head (seen in compiled 671B steps), not once per pass.
@@ -171,7 +184,8 @@ def step_traffic(cfg, layout: Layout, seq_len: int | None = None) -> list[Traffi
             if replicas:
                 out.append(Traffic("all-reduce", replicas, shard // piece, grad_sums, f"grad sum {leaf.path}", param_t))
         if tp > 1 and leaf.sharded_over("tensor"):
-            out += _tensor_traffic(leaf, tokens, n_exp * capacity_per_expert(tokens, k, n_exp, float(e.capacity_factor)),
+            rows = tokens // layout.stage if outside else tokens
+            out += _tensor_traffic(leaf, rows, n_exp * capacity_per_expert(tokens, k, n_exp, float(e.capacity_factor)),
                                    act, layout, ticks if leaf.pipelined else n_micro, act_t,
                                    layers=leaf.local_layers(sizes) // piece)
     return out

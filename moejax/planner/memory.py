@@ -101,9 +101,10 @@ def estimate_memory(cfg, layout: Layout, seq_len: int | None = None, platform: s
         n_pipelined = int(cfg.model.n_layers) - int(cfg.model.first_k_dense)
         outside = max(0, act.saved - n_pipelined * act.moe_layer)  # embedding, dense layers, MTP, loss
         per_chunk = n_pipelined / (layout.stage * layout.virtual)  # fractional for a candidate that splits unevenly
-        saved = (outside * n_micro
+        # The parts outside the stages hold 1/S of the rows each (parallel/mesh.batch_axes).
+        saved = (outside * n_micro // layout.stage
                  + int(act.moe_layer * per_chunk * schedule_ticks(layout.stage, n_micro, layout.virtual)))
-        logits *= n_micro
+        logits = logits * n_micro // layout.stage
     return MemoryEstimate(
         params=param_bytes,
         opt_state=sum(leaf.local_bytes(sizes) for leaf in opt),

@@ -10,7 +10,8 @@ Time model (every assumption is listed by `assumptions()` and printed with the r
   links     wire bytes of hierarchical collectives (comm.wire_bytes) over per-GPU NVLink / NIC bandwidth
   stages    (layout.stage > 1, parallel/pipeline.py as moejax runs it) the MoE layers' FLOPs are split over the
             stages and stretched by the bubble, 1 + (S - 1) / (M V) (a stage computes on its idle ticks too);
-            the embedding, dense layers, MTP and heads run on every stage (S x their FLOPs per device); the
+            the MTP blocks run on every stage alike (S x their FLOPs per device), the embedding, dense layers,
+            heads and loss are split over the stages with the batch; the
             hand-off between stages is waited on (critical), like the expert all-to-all
 """
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moejax.config import REMAT_POLICIES, ConfigError, validate
-from moejax.model.accounting import flops_per_token, fp8_macs_fraction, pipelined_macs_fraction
+from moejax.model.accounting import flops_per_token, fp8_macs_fraction, mtp_blocks_macs_fraction, pipelined_macs_fraction
 from moejax.parallel.pipeline import bubble_fraction
 from moejax.parallel.topology import Topology
 from moejax.planner.comm import buffer_bytes_by_link, step_traffic, wire_bytes
@@ -103,12 +104,13 @@ def predict(cfg, topo: Topology, layout: Layout, *, efficiency: float, domain_si
 
 def stage_terms(cfg, layout: Layout, seq: int) -> tuple[float, float]:
     """(bubble, device FLOPs over model FLOPs / n) of the layout's pipeline stages: the pipelined share stretched by
-    the bubble, the rest computed by every stage."""
+    the bubble, the MTP blocks computed by every stage alike, the rest (embedding, dense layers, heads, loss) split
+    over the stages like the batch."""
     if layout.stage <= 1:
         return 0.0, 1.0
     bubble = bubble_fraction(layout.stage, layout.n_micro(int(cfg.train.global_batch)), layout.virtual)
-    piped = pipelined_macs_fraction(cfg, seq)
-    return bubble, piped * (1 + bubble) + (1 - piped) * layout.stage
+    piped, mtp = pipelined_macs_fraction(cfg, seq), mtp_blocks_macs_fraction(cfg, seq)
+    return bubble, piped * (1 + bubble) + mtp * layout.stage + (1 - piped - mtp)
 
 
 def _divisors(n: int) -> list[int]:
@@ -220,7 +222,8 @@ def assumptions(topo: Topology, efficiency: float, domain_size: int, cfg=None, *
         "micro-batch below the per-device batch means gradient accumulation: run it with "
         "train.micro_batches = per-device batch / micro-batch (each pass re-gathers fsdp weights)",
         "pipeline stages (stage > 1, circular schedule as moejax runs it): MoE-layer compute x (1 + bubble), bubble "
-        "(S - 1) / (M V); embedding, dense layers, MTP and heads computed on every stage; one micro-batch's "
+        "(S - 1) / (M V); embedding, dense layers, heads and loss split over the stages with the batch (the rows "
+        "gathered over `stage` where the pipeline starts), MTP blocks computed on every stage; one micro-batch's "
         "activations per tick to the next stage and back (on the NICs when stages take whole NVLink domains), waited "
         "on; every tick's residuals kept until the backward (all M micro-batches: GPipe memory, not 1F1B's)",
         "not modelled: 1F1B / zero-bubble schedules (moejax runs the circular one), uneven stage splits, "
