@@ -1,5 +1,5 @@
 """The planner's model of pipeline stages (moejax/planner: layout, memory, comm, predict, search): which stage
-counts it searches, per-stage memory, the bubble and the redundant compute outside the pipeline, the hand-off
+counts it searches, per-stage memory, the bubble and the compute outside the pipeline (split over the stages, MTP repeated), the hand-off
 bytes and which link carries them, and NVIDIA's record layout ranked and explained. From the config alone; the
 comparison with a compiled pipelined step is in tests/test_pipeline_step.py (`make test-pipeline`)."""
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from moejax.model.accounting import pipelined_macs_fraction
+from moejax.model.accounting import mtp_blocks_macs_fraction, pipelined_macs_fraction
 from moejax.parallel.pipeline import schedule_ticks
 from moejax.parallel.topology import get_topology
 from moejax.planner.comm import step_traffic, wire_bytes
@@ -56,13 +56,14 @@ def test_a_stage_holds_its_share_of_the_moe_stack_and_all_the_rest():
         assert mem_s.opt_state < mem_1.opt_state
 
 
-def test_saved_activations_follow_the_ticks_and_the_logits_the_whole_batch():
+def test_saved_activations_follow_the_ticks_and_the_logits_the_stages_share_of_the_batch():
     cfg = staged_config()
     micro = cfg.train.global_batch // 2 // 1  # expert 2 splits the batch; mb 1: M = 16
     flat = estimate_memory(cfg, Layout(1, 1, 2, 1, "full", 1, "capacity"))
     for stages, virtual in ((2, 1), (4, 2)):
         piped = estimate_memory(cfg, Layout(1, 1, 2, 1, "full", 1, "capacity", stages, virtual))
-        assert piped.logits == flat.logits * micro
+        # the loss runs once on the stage's 1/S of the local rows (rows split over `stage` outside the pipeline)
+        assert piped.logits == flat.logits * micro // stages
         # M micro-batches in flight: more than one pass of gradient accumulation keeps, less than M of them
         # (the MoE layers are split over the stages)
         assert flat.activations < piped.activations < micro * flat.activations
@@ -71,14 +72,17 @@ def test_saved_activations_follow_the_ticks_and_the_logits_the_whole_batch():
     assert more_virtual.activations < fewer.activations  # ticks x chunk: (M V + S - 1) L / (S V) shrinks with V
 
 
-def test_bubble_and_the_compute_every_stage_repeats():
+def test_bubble_and_the_compute_every_stage_repeats_or_splits():
     cfg = staged_config()
     assert stage_terms(cfg, Layout(1, 1, 2, 1, "full", 1, "capacity"), 16) == (0.0, 1.0)
     lay = Layout(1, 1, 2, 1, "full", 2, "capacity", 4, 2)  # M = 32 / 2 / 2 = 8
     bubble, factor = stage_terms(cfg, lay, 16)
     assert bubble == pytest.approx(3 / 16)
     p = pipelined_macs_fraction(cfg, 16)
-    assert 0 < p < 1 and factor == pytest.approx(p * (1 + 3 / 16) + (1 - p) * 4)
+    mtp = mtp_blocks_macs_fraction(cfg, 16)
+    # the MoE stack stretched by the bubble, the MTP blocks on every stage alike (x S), the rest split like the rows
+    assert 0 < p < 1 and 0 < mtp < 1 - p
+    assert factor == pytest.approx(p * (1 + 3 / 16) + mtp * 4 + (1 - p - mtp))
 
 
 @pytest.mark.parametrize("stages,domain,nic_share", [(2, 8, 1.0), (4, 8, 0.5), (4, 16, 0.0)])
@@ -94,6 +98,14 @@ def test_hand_off_bytes_and_their_link(stages, domain, nic_share):
     assert hand[0].count == 5 * schedule_ticks(stages, n_micro, 1)
     reads = [t for t in step_traffic(cfg, lay) if t.axes == ("stage",) and t.kind == "all-reduce"]
     assert len(reads) == 1 and reads[0].bytes == hand[0].bytes and reads[0].count == 3 * schedule_ticks(stages, n_micro, 1)
+    # the rows gathered over `stage` into the pipeline, and the cotangents of the hidden state and the MTP
+    # module's hidden state in the backward (XLA gathers those in two steps beyond two stages: 1.5 x)
+    gathers = [t for t in step_traffic(cfg, lay) if t.axes == ("stage",) and t.kind == "all-gather"]
+    assert [t.bytes for t in gathers] == [hand[0].bytes * n_micro, hand[0].bytes * n_micro * (3 if stages > 2 else 2) // 2]
+    assert [t.count for t in gathers] == [1, 1 + cfg.model.mtp_depth]
+    # the gradients of the leaves outside the stages are summed over `stage` too
+    head = [t for t in step_traffic(cfg, lay) if t.what == "grad sum ['head_DxV']"]
+    assert len(head) == 1 and "stage" in head[0].axes
     w = wire_bytes(hand[0], lay.sizes, domain)
     assert w["nic"] == pytest.approx(nic_share * hand[0].total) and w["nvlink"] + w["nic"] == pytest.approx(hand[0].total)
 
