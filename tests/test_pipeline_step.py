@@ -70,6 +70,9 @@ def test_pipelined_step_equals_one_device(devices, stages, virtual, micro, axes,
     ({"mesh.virtual_stages": 2}, "needs pipeline stages"),
     ({"mesh.stage": -1, "mesh.data": 1}, "set the pipeline stage count explicitly"),
     ({"mesh.stage": 2, "moe.dispatch": "dropless"}, "dropless dispatch does not run inside pipeline stages"),
+    # 12 rows split into 6 micro-batches on expert 2, but not over stage 4 x expert 2 outside the stages
+    ({"mesh.stage": 4, "train.micro_batches": 6, "train.global_batch": 12},
+     "not divisible by stage\\*data\\*fsdp\\*expert=8"),
 ])
 def test_pipeline_config_errors(change, message):
     cfg = pipeline_config("capacity", 4)

@@ -1,6 +1,6 @@
 """The planner's model of pipeline stages (moejax/planner: layout, memory, comm, predict, search): which stage
-counts it searches, per-stage memory, the bubble and the compute outside the pipeline (split over the stages, MTP repeated), the hand-off
-bytes and which link carries them, and NVIDIA's record layout ranked and explained. From the config alone; the
+counts it searches, per-stage memory, the bubble and the compute outside the pipeline (split over the stages, MTP
+repeated), the hand-off bytes and which link carries them, and NVIDIA's record layout ranked and explained. From the config alone; the
 comparison with a compiled pipelined step is in tests/test_pipeline_step.py (`make test-pipeline`)."""
 
 import runpy
@@ -101,7 +101,8 @@ def test_hand_off_bytes_and_their_link(stages, domain, nic_share):
     # the rows gathered over `stage` into the pipeline, and the cotangents of the hidden state and the MTP
     # module's hidden state in the backward (XLA gathers those in two steps beyond two stages: 1.5 x)
     gathers = [t for t in step_traffic(cfg, lay) if t.axes == ("stage",) and t.kind == "all-gather"]
-    assert [t.bytes for t in gathers] == [hand[0].bytes * n_micro, hand[0].bytes * n_micro * (3 if stages > 2 else 2) // 2]
+    rows = hand[0].bytes * n_micro
+    assert [t.bytes for t in gathers] == [rows, rows * (3 if stages > 2 else 2) // 2]
     assert [t.count for t in gathers] == [1, 1 + cfg.model.mtp_depth]
     # the gradients of the leaves outside the stages are summed over `stage` too
     head = [t for t in step_traffic(cfg, lay) if t.what == "grad sum ['head_DxV']"]

@@ -64,7 +64,8 @@ def pipelined_macs_fraction(cfg, seq_len: int) -> float:
     """The share of macs_per_token in the decoder's MoE layers: what pipeline stages split (mesh.stage > 1); the
     embedding, the first-k dense layers, MTP and the heads run outside the pipeline."""
     m = cfg.model
-    return (m.n_layers - m.first_k_dense) * _moe_layer_macs_per_token(m, cfg.moe, seq_len) / macs_per_token(cfg, seq_len)
+    per_layer = _moe_layer_macs_per_token(m, cfg.moe, seq_len)
+    return (m.n_layers - m.first_k_dense) * per_layer / macs_per_token(cfg, seq_len)
 
 
 def mtp_blocks_macs_fraction(cfg, seq_len: int) -> float:

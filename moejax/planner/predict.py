@@ -20,7 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moejax.config import REMAT_POLICIES, ConfigError, validate
-from moejax.model.accounting import flops_per_token, fp8_macs_fraction, mtp_blocks_macs_fraction, pipelined_macs_fraction
+from moejax.model.accounting import (flops_per_token, fp8_macs_fraction, mtp_blocks_macs_fraction,
+                                     pipelined_macs_fraction)
 from moejax.parallel.pipeline import bubble_fraction
 from moejax.parallel.topology import Topology
 from moejax.planner.comm import buffer_bytes_by_link, step_traffic, wire_bytes
