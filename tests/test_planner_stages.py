@@ -1,7 +1,8 @@
 """The planner's model of pipeline stages (moejax/planner: layout, memory, comm, predict, search): which stage
 counts it searches, per-stage memory, the bubble and the compute outside the pipeline (split over the stages, MTP
-repeated), the hand-off bytes and which link carries them, and NVIDIA's record layout ranked and explained. From the config alone; the
-comparison with a compiled pipelined step is in tests/test_pipeline_step.py (`make test-pipeline`)."""
+repeated), the hand-off bytes and which link carries them, and NVIDIA's record layout ranked and explained. From
+the config alone; the comparison with a compiled pipelined step is in tests/test_pipeline_step.py
+(`make test-pipeline`)."""
 
 import runpy
 from pathlib import Path

@@ -148,14 +148,16 @@ def _weights_for_compute(w_shard, d_model_dim: int, dtype, f32_grad: bool, repli
     the weights are replicated over (data; `stage` too outside pipeline stages); fsdp: that axis' size (no gather
     over an fsdp axis of size 1: XLA:CPU would keep a trivial one).
 
-    Backward (the mixed-precision contract): the weight gradient is summed over data and reduce-scattered over
-    fsdp in f32 (f32_grad) - autodiff would do both in the compute dtype, at the shard_map boundary. The output
-    is marked varying over data so no implicit (compute-dtype) reduction is left for shard_map to insert.
+    Backward (the mixed-precision contract): the weight gradient is summed over the replica axes and
+    reduce-scattered over fsdp in f32 (f32_grad) - autodiff would do both in the compute dtype, at the shard_map
+    boundary. The output is marked varying over the replica axes so no implicit (compute-dtype) reduction is left
+    for shard_map to insert.
     """
     w = w_shard.astype(dtype)
     if fsdp > 1:
         w = jax.lax.all_gather(w, FSDP_AXIS, axis=d_model_dim, tiled=True)
-    # The in_spec does not split the weights over data (invariant there); all_gather leaves them varying over fsdp.
+    # The in_spec does not split the weights over the replica axes (invariant there); all_gather leaves them
+    # varying over fsdp.
     # Over axes of size 1 there is nothing to sum: shard_map's own (compute-dtype) pvary/psum pair is a no-op.
     return jax.lax.pcast(w, replicas, to="varying") if replicas else w
 

@@ -20,8 +20,10 @@ The rules, per step (n_micro passes of forward + backward; layers' collectives r
   pipeline stages  (layout.stage > 1, parallel/pipeline.py) each of the M V + S - 1 ticks runs one chunk of L / (S V)
                    MoE layers per stage and hands one micro-batch's activations to the next stage (collective-
                    permute over `stage`, forward and backward); the MoE stack's collectives above (gathers and
-                   gradient sums included) run per tick for a chunk; the rest of the model runs the whole local
-                   batch in one pass, its gradients summed once per step
+                   gradient sums included) run per tick for a chunk; the rest of the model runs in one pass on the
+                   stage's 1/S of the local rows (MTP on every stage alike), its gradients summed once per step
+                   (over `stage` too, MTP's excepted); the rows are all-gathered over `stage` into the pipeline
+                   and the stages' output cotangents in the backward
   LM head          under the chunked loss its gradient is summed over the batch axes once per chunk of
                    kernels.loss_chunk positions and per head (MTP heads share it), inside the loss's backward scan
 Small collectives (losses, norms, router statistics: O(experts) floats) are left out.

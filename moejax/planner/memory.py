@@ -16,7 +16,8 @@ Pipeline stages (layout.stage > 1), as moejax/parallel/pipeline.py runs them: a 
 (params, optimizer state, gradients split over `stage`) and every leaf outside the MoE stack whole; the schedule's
 scan keeps each tick's residuals until the backward, i.e. C = L / (S V) layers' residuals for each of the
 M V + S - 1 ticks (all M micro-batches in flight at the end of the forward: GPipe's memory, not 1F1B's); the
-embedding, dense layers, MTP and loss run on the whole local batch (M micro-batches) at once. `stage_copies`: the
+embedding, dense layers, MTP and loss run in one pass, on the stage's 1/S of the local rows (parallel/mesh.py's
+batch_axes; MTP's residuals are counted there too, though it runs on every stage's rows). `stage_copies`: the
 vmap over stages runs each stage's layer scan over [S, C, ...] weights, which XLA transposes to [C, S, ...]: a
 copy of the stage's MoE stack, and one of its gradient, in the backward (measured on compiled CPU steps).
 """

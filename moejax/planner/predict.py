@@ -11,8 +11,8 @@ Time model (every assumption is listed by `assumptions()` and printed with the r
   stages    (layout.stage > 1, parallel/pipeline.py as moejax runs it) the MoE layers' FLOPs are split over the
             stages and stretched by the bubble, 1 + (S - 1) / (M V) (a stage computes on its idle ticks too);
             the MTP blocks run on every stage alike (S x their FLOPs per device), the embedding, dense layers,
-            heads and loss are split over the stages with the batch; the
-            hand-off between stages is waited on (critical), like the expert all-to-all
+            heads and loss are split over the stages with the batch; the hand-off between stages is waited on
+            (critical), like the expert all-to-all
 """
 
 from __future__ import annotations
