@@ -12,6 +12,11 @@ auto) are resolved against the platform of jax.devices()[0] (this is a one-devic
 xla / einsum on CPU, tokamax_mosaic / tokamax (dropless grouped GEMM) on GPU. A kernel the platform, the head
 dims or the installed packages cannot run is refused with the ConfigError saying what to change.
 
+`--dispatch capacity` runs the capacity path (capacity factor 1.25, batched einsum GEMMs) instead of dropless;
+`--fp8 blockwise|mxfp8` runs the GEMMs in FP8 (model.fp8; the expert GEMM is then the einsum one). The JSON records
+what the compiled program runs (custom-call targets, fusion kinds, the element types of every dot's operands), so a
+GPU run says whether its GEMMs are FP8 cuBLASLt calls.
+
 Expert routing inside the slice: every token picks `--top_k` (default 2) of the 8 local experts, which is an
 EP32 GPU's average expert load (4096 tokens x top-8 / 32 ranks = 1024 = 4096 x 2 / 8 assignments per expert).
 """
@@ -32,12 +37,16 @@ import numpy as np
 from flax import nnx
 
 from moejax.config import ATTENTION_KERNELS, EXPERT_GEMM_KERNELS, ConfigError, default_config
+from moejax.config.schema import FP8_FORMATS
+from moejax.kernels import fp8
 from moejax.kernels.resolve import apply_kernels
 from moejax.model.accounting import FLOPS_PER_MAC_TRAIN, _attention_macs_per_token
 from moejax.model.transformer import Block
+from moejax.parallel.hlo_kernels import kernel_inventory
 
 
-def slice_config(scale: float, top_k: int, dtype: str, attention: str = "auto", expert_gemm: str = "auto"):
+def slice_config(scale: float, top_k: int, dtype: str, attention: str = "auto", expert_gemm: str = "auto",
+                 dispatch: str = "dropless", fp8: str = "none"):
     c = default_config()
     m, e = c.model, c.moe
     s = lambda n: max(8, int(n * scale))  # noqa: E731
@@ -48,8 +57,9 @@ def slice_config(scale: float, top_k: int, dtype: str, attention: str = "auto", 
     m.yarn.factor, m.yarn.original_max_position, m.yarn.mscale, m.yarn.mscale_all_dim = 40.0, 4096, 1.0, 1.0
     m.dtype, m.param_dtype = dtype, "float32"
     e.n_routed_experts, e.n_shared_experts, e.top_k, e.d_ff_expert = 8, 1, top_k, s(2048)
-    e.score_func, e.routed_scaling, e.capacity_factor = "sigmoid", 2.5, 0.0
-    e.dispatch = "dropless"
+    e.score_func, e.routed_scaling = "sigmoid", 2.5
+    e.dispatch, e.capacity_factor = dispatch, (0.0 if dispatch == "dropless" else 1.25)
+    m.fp8 = fp8
     c.kernels.attention, c.kernels.expert_gemm = attention, expert_gemm
     return c
 
@@ -82,10 +92,12 @@ def main():
     p.add_argument("--matmul_n", type=int, default=0, help="peak matmul size; 0: 8192 (1024 on CPU)")
     p.add_argument("--attention", default="auto", choices=ATTENTION_KERNELS, help="kernels.attention")
     p.add_argument("--expert_gemm", default="auto", choices=EXPERT_GEMM_KERNELS, help="kernels.expert_gemm")
+    p.add_argument("--dispatch", default="dropless", choices=("dropless", "capacity"), help="moe.dispatch")
+    p.add_argument("--fp8", default="none", choices=FP8_FORMATS, help="model.fp8")
     p.add_argument("--json", default="benchmarks/results/deepseek_layer.json")
     args = p.parse_args()
 
-    cfg = slice_config(args.scale, args.top_k, args.dtype, args.attention, args.expert_gemm)
+    cfg = slice_config(args.scale, args.top_k, args.dtype, args.attention, args.expert_gemm, args.dispatch, args.fp8)
     platform = jax.devices()[0].platform
     try:
         print(apply_kernels(cfg, platform), flush=True)
@@ -101,7 +113,8 @@ def main():
     @jax.jit
     def fwd_bwd(params, rest, x):
         def loss(p, r, x):
-            y, stats = nnx.merge(graphdef, p, r)(x, positions)
+            with fp8.gemms_in(args.fp8):  # what the Transformer's body does with model.fp8 set
+                y, stats = nnx.merge(graphdef, p, r)(x, positions)
             return jnp.mean(y.astype(jnp.float32) ** 2) + jnp.sum(stats.aux_loss)
 
         return jax.grad(loss, argnums=(0, 1, 2))(params, rest, x)
@@ -122,12 +135,13 @@ def main():
     row = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
            "command": shlex.join(["python", *sys.argv]), "jax": jax.__version__, "platform": platform,
            "kernels": {k: cfg.kernels[k] for k in ("attention", "expert_gemm")},
+           "dispatch": args.dispatch, "fp8": args.fp8, "compiled": kernel_inventory(compiled.as_text()),
            "device": jax.devices()[0].device_kind, "dtype": args.dtype, "tokens": args.tokens, "seq": args.seq,
            "scale": args.scale, "d_model": cfg.model.d_model, "experts": 8, "top_k": args.top_k,
            "compile_s": round(compile_s, 2), "step_ms": round(step_s * 1e3, 3),
            "model_tflop_per_step": flops / 1e12, "tflops": flops / step_s / 1e12,
            "matmul_peak_tflops": peak / 1e12, "mfu_vs_measured_peak": flops / step_s / peak}
-    kernels = f"{cfg.kernels.attention}/{cfg.kernels.expert_gemm}"
+    kernels = f"{cfg.kernels.attention}/{cfg.kernels.expert_gemm}" + (f"/fp8 {args.fp8}" if args.fp8 != "none" else "")
     print(f"{'device':<24}{'dtype':<10}{'attn/gemm':<24}{'tokens':>8}{'step ms':>10}{'TFLOP/s':>10}"
           f"{'peak TFLOP/s':>14}{'MFU':>8}")
     print(f"{row['device']:<24}{row['dtype']:<10}{kernels:<24}{row['tokens']:>8}{row['step_ms']:>10.2f}"

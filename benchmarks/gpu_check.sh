@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One prepared GPU check for the day a GPU is lent: the DeepSeek-V3 layer slice and the kernel benchmarks on one
-# NVIDIA GPU (sized for an H200), each under a timeout, in well under 10 minutes (the timeouts sum to 500 s;
-# expect 3 to 5 minutes). Prints the rows for benchmarks/RESULTS.md last.
+# NVIDIA GPU (sized for an H200), each under a timeout (they sum to 500 s; expect 4 to 6 minutes), most important
+# first: an outer limit (the device tool's timeout_s) cuts the last. Prints the rows for benchmarks/RESULTS.md last.
 #
 #   bash benchmarks/gpu_check.sh [WHEELS_DIR]          # WHEELS_DIR, else $MOEJAX_WHEELS, else .whl
 #   bash benchmarks/gpu_check.sh --download-wheels DIR # on a machine with pip's index: fetch those wheels
@@ -15,17 +15,19 @@
 # What is carried as wheels (~6 MB, CPython 3.12, x86-64; installed with --no-deps into /tmp/moejax-site only
 # when some of them cannot be imported): tokamax 0.0.17 and the modules it imports that the image lacks
 # (pydantic + pydantic_core + annotated_types + typing_inspection + typing_extensions, qwix, einshape,
-# immutabledict, fire + termcolor), and ml_collections for moejax. tokamax imports xprof at import time only for
+# immutabledict, fire + termcolor), and ml_collections and flax 0.12.12 (the version the `gpu` extra tests; it takes
+# precedence over the image's flax on PYTHONPATH) for moejax. tokamax imports xprof at import time only for
 # its own benchmarking helper, never called here; xprof's wheel is 32 MB, so a stub module stands in for it
 # unless an xprof wheel is in the directory (it fits: ~38 MB with the rest).
 #
 # With the device tool, from the repo root here:
 #   echo /.whl/ >> .git/info/exclude                 # once: the wheel folder travels only as a carried path
 #   bash benchmarks/gpu_check.sh --download-wheels .whl
-#   run(command="bash benchmarks/gpu_check.sh .whl", carry=[".whl"], timeout_s=590)
-# The JSON, the log and the RESULTS.md rows are written to $OUT (the tool returns them; 6 files), else to
+#   run(command="bash benchmarks/gpu_check.sh .whl", carry=[".whl"], timeout_s=420)
+# The JSON, the log and the RESULTS.md rows are written to $OUT (the tool returns them; 7 files), else to
 # benchmarks/results/gpu_check/. Copy the printed rows into benchmarks/RESULTS.md. Timeouts per run can be
-# changed with T_LAYER (200 s) and T_KERNELS (150 s, each of the two kernel runs).
+# changed with T_LAYER (120 s), T_LAYER_FP8 (90 s, each of the capacity bf16 / FP8 slices) and T_KERNELS (100 s,
+# each of the two kernel runs).
 #
 # Exit codes: 0 all runs ok; 1 some run failed or timed out; 2 no NVIDIA GPU; 3 jax sees no GPU or moejax's
 # imports are missing.
@@ -36,7 +38,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 # Pinned: the versions .venv-gpu runs (pip install -e '.[gpu,test]'), minus what the device image has.
 WHEEL_PINS=(tokamax==0.0.17 pydantic==2.14.4 pydantic_core==2.50.5 annotated_types==0.8.0 typing_inspection==0.4.5
             typing_extensions==4.16.0 einshape==1.0 immutabledict==4.3.1 qwix==0.1.8 fire==0.7.1 termcolor==3.3.0
-            ml_collections==1.1.0)
+            ml_collections==1.1.0 flax==0.12.12)
 NEEDED_MODULES="tokamax ml_collections pydantic qwix einshape immutabledict fire termcolor"
 
 if [[ "${1:-}" == "--download-wheels" ]]; then
@@ -62,8 +64,9 @@ WHEELS="${1:-${MOEJAX_WHEELS:-.whl}}"
 PY="${PYTHON:-python3}"
 SITE=/tmp/moejax-site
 DEST="${OUT:-benchmarks/results/gpu_check}"
-T_LAYER="${T_LAYER:-200}"
-T_KERNELS="${T_KERNELS:-150}"
+T_LAYER="${T_LAYER:-120}"
+T_KERNELS="${T_KERNELS:-100}"
+T_LAYER_FP8="${T_LAYER_FP8:-90}"
 mkdir -p "$DEST"
 exec > >(tee "$DEST/gpu_check.log") 2>&1
 TEE_PID=$!
@@ -152,13 +155,21 @@ run() {  # run NAME SECONDS CMD...: CMD under a timeout, its exit status reporte
     [[ $rc -eq 0 ]] || failed=1
 }
 
-# 1. flash attention + grouped GEMM by tokamax (what `auto` picks on GPU)
-run kernels_tokamax "$T_KERNELS" "$PY" benchmarks/kernels.py --expert_gemm tokamax --attention tokamax_mosaic \
-    --json "$DEST/kernels_tokamax.json"
-# 2. the full-width layer slice, auto kernels (tokamax_mosaic attention, tokamax dropless grouped GEMM)
+# In order of what matters most, so that an outer limit cuts the least useful runs. Each writes its JSON at once.
+# 1. the full-width layer slice, auto kernels (tokamax_mosaic attention, tokamax dropless grouped GEMM)
 run deepseek_layer "$T_LAYER" "$PY" benchmarks/deepseek_layer.py --dtype bfloat16 --tokens 4096 --seq 4096 \
     --steps 10 --json "$DEST/deepseek_layer.json"
-# 3. the alternatives: einsum capacity GEMM (ragged_dot is refused on GPU: XLA densifies it), tokamax's Triton
+# 2. the same slice with capacity dispatch (batched einsum GEMMs, capacity 1.25), in bf16 and in DeepSeek-V3's
+#    blockwise FP8 (Hopper): dropless vs capacity, and FP8 vs bf16 on the same GEMMs; the JSON lists the compiled
+#    program's dot operand types (f8e4m3fn x f8e4m3fn: an FP8 GEMM)
+run deepseek_layer_capacity "$T_LAYER_FP8" "$PY" benchmarks/deepseek_layer.py --dtype bfloat16 --tokens 4096 \
+    --seq 4096 --steps 10 --dispatch capacity --json "$DEST/deepseek_layer_capacity.json"
+run deepseek_layer_fp8 "$T_LAYER_FP8" "$PY" benchmarks/deepseek_layer.py --dtype bfloat16 --tokens 4096 \
+    --seq 4096 --steps 10 --dispatch capacity --fp8 blockwise --json "$DEST/deepseek_layer_fp8.json"
+# 3. flash attention + grouped GEMM by tokamax (what `auto` picks on GPU)
+run kernels_tokamax "$T_KERNELS" "$PY" benchmarks/kernels.py --expert_gemm tokamax --attention tokamax_mosaic \
+    --json "$DEST/kernels_tokamax.json"
+# 4. the alternatives: einsum capacity GEMM (ragged_dot is refused on GPU: XLA densifies it), tokamax's Triton
 #    flash attention, XLA's reference attention; cuDNN attention is listed to record its refusal: jax's cuDNN
 #    fused attention takes head dims <= 128, MLA's q/k head dim is 192.
 run kernels_alternatives "$T_KERNELS" "$PY" benchmarks/kernels.py --expert_gemm einsum,ragged_dot \
@@ -167,7 +178,8 @@ run kernels_alternatives "$T_KERNELS" "$PY" benchmarks/kernels.py --expert_gemm 
 echo
 echo "=== rows for benchmarks/RESULTS.md (| date | GPU | command | metric | value |):"
 jsons=()
-for f in "$DEST/kernels_tokamax.json" "$DEST/deepseek_layer.json" "$DEST/kernels_alternatives.json"; do
+for f in "$DEST"/deepseek_layer.json "$DEST"/deepseek_layer_capacity.json "$DEST"/deepseek_layer_fp8.json \
+         "$DEST"/kernels_tokamax.json "$DEST"/kernels_alternatives.json; do
     [[ -s "$f" ]] && jsons+=("$f")
 done
 if [[ ${#jsons[@]} -gt 0 ]]; then

@@ -301,11 +301,16 @@ def results_rows(paths) -> list[str]:
         head = f"| {r.get('date', '?')} | {r.get('device', '?')} | `{shlex.join(cmd)}` |"
         if "mfu_vs_measured_peak" in r:  # deepseek_layer.py
             k = r.get("kernels", {})
+            fp8 = r.get("fp8", "none")
             what = (f"DeepSeek-V3 layer slice fwd+bwd, {r['tokens']} tokens, {r['dtype']}, "
-                    f"{k.get('attention', '?')}/{k.get('expert_gemm', '?')}")
+                    f"{r.get('dispatch', 'dropless')}, {k.get('attention', '?')}/{k.get('expert_gemm', '?')}"
+                    + (f", fp8 {fp8}" if fp8 != "none" else ""))
             rows.append(f"{head} {what}: model TFLOP/s | {_num(r['tflops'])} |")
             rows.append(f"{head} {what}: MFU vs measured matmul peak ({_num(r['matmul_peak_tflops'])} TFLOP/s) | "
                         f"{r['mfu_vs_measured_peak']:.1%} |")
+            if dots := r.get("compiled", {}).get("dots"):
+                n_f8 = sum(n for types, n in dots.items() if "f8" in types)
+                rows.append(f"{head} {what}: compiled dots with FP8 operands | {n_f8} of {sum(dots.values())} |")
             continue
         if "grouped_gemm" in r:
             g = r["grouped_gemm"]
