@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One prepared GPU check for the day a GPU is lent: the DeepSeek-V3 layer slice and the kernel benchmarks on one
-# NVIDIA GPU (sized for an H200), each under a timeout (they sum to 500 s; expect 4 to 6 minutes), most important
-# first: an outer limit (the device tool's timeout_s) cuts the last. Prints the rows for benchmarks/RESULTS.md last.
+# NVIDIA GPU (sized for an H200), each under a timeout (they sum to 800 s; on an H200 on 2026-12-04 the first five
+# took 281 s), most important first: an outer limit (the device tool's timeout_s) cuts the last. ONLY="NAME ..."
+# runs a subset. Prints the rows for benchmarks/RESULTS.md last.
 #
 #   bash benchmarks/gpu_check.sh [WHEELS_DIR]          # WHEELS_DIR, else $MOEJAX_WHEELS, else .whl
 #   bash benchmarks/gpu_check.sh --download-wheels DIR # on a machine with pip's index: fetch those wheels
@@ -23,11 +24,12 @@
 # With the device tool, from the repo root here:
 #   echo /.whl/ >> .git/info/exclude                 # once: the wheel folder travels only as a carried path
 #   bash benchmarks/gpu_check.sh --download-wheels .whl
-#   run(command="bash benchmarks/gpu_check.sh .whl", carry=[".whl"], timeout_s=420)
-# The JSON, the log and the RESULTS.md rows are written to $OUT (the tool returns them; 7 files), else to
+#   run(command="bash benchmarks/gpu_check.sh .whl", carry=[".whl"], timeout_s=590)
+# The JSON, the log and the RESULTS.md rows are written to $OUT (the tool returns them; 9 files: the tool returns 8,
+# so the rows file is left out when everything ran: they are printed too), else to
 # benchmarks/results/gpu_check/. Copy the printed rows into benchmarks/RESULTS.md. Timeouts per run can be
-# changed with T_LAYER (120 s), T_LAYER_FP8 (90 s, each of the capacity bf16 / FP8 slices) and T_KERNELS (100 s,
-# each of the two kernel runs).
+# changed with T_LAYER (120 s), T_LAYER_FP8 (90 s, each of the capacity bf16 / FP8 slices), T_KERNELS (150 s,
+# each of the two kernel runs), T_FP8_GEMM (90 s) and T_TRAIN_STEP (150 s).
 #
 # Exit codes: 0 all runs ok; 1 some run failed or timed out; 2 no NVIDIA GPU; 3 jax sees no GPU or moejax's
 # imports are missing.
@@ -65,7 +67,10 @@ PY="${PYTHON:-python3}"
 SITE=/tmp/moejax-site
 DEST="${OUT:-benchmarks/results/gpu_check}"
 T_LAYER="${T_LAYER:-120}"
-T_KERNELS="${T_KERNELS:-100}"
+T_KERNELS="${T_KERNELS:-150}"
+T_FP8_GEMM="${T_FP8_GEMM:-90}"
+T_TRAIN_STEP="${T_TRAIN_STEP:-150}"
+ONLY="${ONLY:-}"  # space-separated run names (deepseek_layer ... train_step): run only those
 T_LAYER_FP8="${T_LAYER_FP8:-90}"
 mkdir -p "$DEST"
 exec > >(tee "$DEST/gpu_check.log") 2>&1
@@ -142,6 +147,7 @@ failed=0
 run() {  # run NAME SECONDS CMD...: CMD under a timeout, its exit status reported
     local name=$1 secs=$2 rc
     shift 2
+    [[ -z "$ONLY" || " $ONLY " == *" $name "* ]] || return 0
     echo
     echo "=== $name (timeout ${secs}s): $*"
     local t0=$SECONDS
@@ -174,12 +180,19 @@ run kernels_tokamax "$T_KERNELS" "$PY" benchmarks/kernels.py --expert_gemm tokam
 #    fused attention takes head dims <= 128, MLA's q/k head dim is 192.
 run kernels_alternatives "$T_KERNELS" "$PY" benchmarks/kernels.py --expert_gemm einsum,ragged_dot \
     --attention tokamax_triton,xla,cudnn --json "$DEST/kernels_alternatives.json"
+# 5. one GEMM fwd+bwd in bf16, blockwise FP8 and a rowwise-scaled FP8 candidate (benchmarks/fp8_gemm.py)
+run fp8_gemm "$T_FP8_GEMM" "$PY" benchmarks/fp8_gemm.py --json "$DEST/fp8_gemm.json"
+# 6. the whole jitted training step (loss, optimizer, both dispatch modes) of the small DeepSeek-V3-shaped benchmark
+#    config on this one GPU: that it compiles and runs; the model is too small for its MFU to mean much
+run train_step "$T_TRAIN_STEP" "$PY" benchmarks/train_step.py --config benchmarks/configs/deepseek_v3_step.py \
+    --layouts data8 --dispatches capacity,dropless --steps 5 --dtype bfloat16 --json "$DEST/train_step.json"
 
 echo
 echo "=== rows for benchmarks/RESULTS.md (| date | GPU | command | metric | value |):"
 jsons=()
 for f in "$DEST"/deepseek_layer.json "$DEST"/deepseek_layer_capacity.json "$DEST"/deepseek_layer_fp8.json \
-         "$DEST"/kernels_tokamax.json "$DEST"/kernels_alternatives.json; do
+         "$DEST"/kernels_tokamax.json "$DEST"/kernels_alternatives.json "$DEST"/fp8_gemm.json \
+         "$DEST"/train_step.json; do
     [[ -s "$f" ]] && jsons+=("$f")
 done
 if [[ ${#jsons[@]} -gt 0 ]]; then

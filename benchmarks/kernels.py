@@ -312,6 +312,27 @@ def results_rows(paths) -> list[str]:
                 n_f8 = sum(n for types, n in dots.items() if "f8" in types)
                 rows.append(f"{head} {what}: compiled dots with FP8 operands | {n_f8} of {sum(dots.values())} |")
             continue
+        if "fp8_gemm" in r:  # fp8_gemm.py
+            sh = r["fp8_gemm"]["shape"]
+            what = f"GEMM fwd+bwd x [{sh['m']}, {sh['k']}] @ w [{sh['k']}, {sh['n']}] {sh['dtype']} in/out"
+            for f in r["fp8_gemm"]["formats"]:
+                if "error" in f:
+                    rows.append(f"{head} {what}, {f['format']} | failed: {_cell(f['error'])} |")
+                    continue
+                calls = ", ".join(f"{k} x{v}" for k, v in f["gemm_custom_calls"].items()) or "none"
+                rows.append(f"{head} {what}, {f['format']}: TFLOP/s (GEMM calls: {_cell(calls)}) | "
+                            f"{_num(f['tflops'])} |")
+                if f.get("speed_vs_none"):
+                    rows.append(f"{head} {what}, {f['format']}: speed vs bf16 | {f['speed_vs_none']:.2f}x |")
+            continue
+        if "rows" in r and "flops_per_token" in r:  # train_step.py
+            head = f"| {r.get('date', '?')} | {r.get('device_kind', '?')} | `{shlex.join(cmd)}` |"
+            for t in r["rows"]:
+                what = f"training step, {r['config']}, {t['layout']}, {t['dispatch']}"
+                rows.append(f"{head} {what}: step ms | {t['step_time_s'] * 1e3:.1f} |")
+                rows.append(f"{head} {what}: MFU ({r['peak_source']}) | {t['mfu']:.1%} |")
+                rows.append(f"{head} {what}: dropped assignments | {t.get('dropped_fraction', 0):.1%} |")
+            continue
         if "grouped_gemm" in r:
             g = r["grouped_gemm"]
             s = g["shape"]

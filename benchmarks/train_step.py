@@ -9,9 +9,11 @@ dropped fraction and the dropless rounds of the last step). Prints a table, writ
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import runpy
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -71,9 +73,12 @@ def main():
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated subset of: " + ", ".join(LAYOUTS))
     ap.add_argument("--dispatches", default="config",
                     help="comma-separated moe.dispatch values to measure (config: the config's own)")
+    ap.add_argument("--dtype", default="config", help="model.dtype (config: the config's own), e.g. bfloat16 on GPUs")
     ap.add_argument("--json", default="benchmarks/results/train_step.json")
     args = ap.parse_args()
     base = runpy.run_path(args.config)["get_config"]()
+    if args.dtype != "config":
+        base.model.dtype = args.dtype
     peak, peak_source = peak_flops_per_device(base.hardware.peak_tflops)
     rows = []
     for name in args.layouts.split(","):
@@ -95,7 +100,9 @@ def main():
               f"{100 * r.get('dropped_fraction', 0):>8.1f}%{r.get('dropless_rounds', 1):>8.0f}")
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"config": args.config, "devices": jax.device_count(),
+    out.write_text(json.dumps({"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+                               "command": shlex.join(["python", *sys.argv]), "jax": jax.__version__,
+                               "config": args.config, "devices": jax.device_count(),
                                "device_kind": jax.devices()[0].device_kind, "peak_flops_per_device": peak,
                                "peak_source": peak_source, "flops_per_token": flops_per_token(base),
                                "steps": args.steps, "rows": rows}, indent=2))

@@ -1,0 +1,143 @@
+"""One GEMM, forward + backward (y = x @ w, then dx and dw), in bf16 and in FP8 recipes, on one device: what an
+FP8 recipe buys or costs per GEMM before anything else in the step. Prints a table and writes JSON.
+
+    python benchmarks/fp8_gemm.py [--m 8192] [--k 7168] [--n 2048] [--formats none,blockwise,rowwise] [--steps 20]
+
+Formats:
+  none       bf16 operands, f32 accumulation (jnp.dot).
+  blockwise  moejax's model.fp8='blockwise' GEMM (kernels/fp8.py: DeepSeek-V3's 1 x 128 / 128 x 128 tiles via qwix):
+             qwix contracts each 128-wide K tile as its own f8 GEMM and sums the scaled f32 partials, so every
+             K tile writes an M x N f32 partial: on a GPU without a fused-promotion kernel this is memory-bound.
+  rowwise    a measurement-only candidate, not a model.fp8 value: one scale per row of each operand along the
+             contraction (activations per token, weights per output column; the backward re-quantises along its
+             own contraction), so each GEMM is one f8 GEMM whose scales apply after it (qwix channelwise).
+  mxfp8      moejax's model.fp8='mxfp8' (cuDNN block-scaled GEMM; Blackwell).
+
+TFLOP/s count 2 FLOPs per multiply-add, three GEMMs (fwd, dgrad, wgrad). The JSON records each compiled program's
+GEMM custom calls (e.g. `__cublas$lt$matmul$f8`: cuBLASLt FP8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import qwix
+
+from moejax.kernels import fp8
+from moejax.parallel.hlo_kernels import kernel_inventory
+
+
+def _rowwise_gemm(a_RxK, b_CxK):
+    """a . b^T with each row of both operands scaled by its own amax / 448 (e4m3), f32 out: one f8 GEMM."""
+    dims = (((1,), (1,)), ((), ()))
+    a_q = qwix.quantize(a_RxK.astype(jnp.float32), fp8.E4M3, channelwise_axes=(0,))
+    b_q = qwix.quantize(b_CxK.astype(jnp.float32), fp8.E4M3, channelwise_axes=(0,))
+    return qwix.dot_general(a_q, b_q, dims, preferred_element_type=jnp.float32)
+
+
+@jax.custom_vjp
+def rowwise_matmul(x_MxK, w_KxN):
+    return _rowwise_gemm(x_MxK, w_KxN.T).astype(x_MxK.dtype)
+
+
+def _rowwise_fwd(x_MxK, w_KxN):
+    return rowwise_matmul(x_MxK, w_KxN), (x_MxK, w_KxN)
+
+
+def _rowwise_bwd(residuals, dy_MxN):
+    x_MxK, w_KxN = residuals
+    dx = _rowwise_gemm(dy_MxN, w_KxN).astype(x_MxK.dtype)
+    dw = _rowwise_gemm(x_MxK.T, dy_MxN.T).astype(w_KxN.dtype)
+    return dx, dw
+
+
+rowwise_matmul.defvjp(_rowwise_fwd, _rowwise_bwd)
+
+
+def matmul_for(fmt: str):
+    if fmt == "none":
+        return lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+    if fmt == "rowwise":
+        return rowwise_matmul
+    return lambda x, w: fp8.fp8_matmul(x[None], w[None], fmt)[0]
+
+
+def measure(fmt: str, x, w, steps: int) -> dict:
+    mm = matmul_for(fmt)
+
+    @jax.jit
+    def fwd_bwd(x, w):
+        y, vjp = jax.vjp(mm, x, w)
+        dx, dw = vjp(jnp.ones_like(y))
+        return y, dx, dw
+
+    compiled = fwd_bwd.lower(x, w).compile()
+    for _ in range(3):
+        out = compiled(x, w)
+    jax.block_until_ready(out)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        out = compiled(x, w)
+    jax.block_until_ready(out)
+    step_s = (time.perf_counter() - t0) / steps
+    ref = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32))
+    rel_err = float(jnp.linalg.norm(out[0].astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
+    inv = kernel_inventory(compiled.as_text())
+    gemm_calls = {k: v for k, v in inv["custom_calls"].items() if "matmul" in k or "gemm" in k}
+    return {"format": fmt, "step_ms": step_s * 1e3, "rel_err_fwd": rel_err, "gemm_custom_calls": gemm_calls,
+            "fusions": inv["fusions"], "dots": inv["dots"]}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--m", type=int, default=8192, help="rows (tokens)")
+    p.add_argument("--k", type=int, default=7168, help="contraction (d_model)")
+    p.add_argument("--n", type=int, default=2048, help="columns (an expert's d_ff)")
+    p.add_argument("--formats", default="none,blockwise,rowwise")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--json", default="benchmarks/results/fp8_gemm.json")
+    args = p.parse_args()
+    dt = jnp.dtype(args.dtype)
+    x = jax.random.normal(jax.random.key(0), (args.m, args.k), dt)
+    w = (jax.random.normal(jax.random.key(1), (args.k, args.n), jnp.float32) / args.k**0.5).astype(dt)
+    flops = 3 * 2 * args.m * args.k * args.n
+    dev = jax.devices()[0]
+    print(f"{dev.device_kind} ({dev.platform}), jax {jax.__version__}: x [{args.m}, {args.k}] @ w [{args.k}, "
+          f"{args.n}] fwd+bwd, {args.dtype} in/out")
+    print(f"  {'format':<11}{'step ms':>9}{'TFLOP/s':>9}{'vs none':>9}{'rel err':>9}  GEMM custom calls")
+    rows = []
+    for fmt in args.formats.split(","):
+        try:
+            r = measure(fmt, x, w, args.steps)
+        except Exception as err:  # a format this platform cannot run is a row that says why, not the end
+            r = {"format": fmt, "error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
+            print(f"  {fmt:<11}failed: {r['error']}")
+            rows.append(r)
+            continue
+        r["tflops"] = flops / r["step_ms"] * 1e-9
+        base = next((q for q in rows if q["format"] == "none" and "step_ms" in q), None)
+        r["speed_vs_none"] = base["step_ms"] / r["step_ms"] if base else None
+        vs = f"{r['speed_vs_none']:.2f}x" if base else "-"
+        print(f"  {fmt:<11}{r['step_ms']:>9.3f}{r['tflops']:>9.1f}{vs:>9}{r['rel_err_fwd']:>9.1e}  "
+              f"{r['gemm_custom_calls']}")
+        rows.append(r)
+    out = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+           "command": shlex.join(["python", *sys.argv]), "jax": jax.__version__, "device": dev.device_kind,
+           "fp8_gemm": {"shape": {"m": args.m, "k": args.k, "n": args.n, "dtype": args.dtype}, "formats": rows}}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(out, indent=2))
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
