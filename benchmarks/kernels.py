@@ -308,9 +308,13 @@ def results_rows(paths) -> list[str]:
             rows.append(f"{head} {what}: model TFLOP/s | {_num(r['tflops'])} |")
             rows.append(f"{head} {what}: MFU vs measured matmul peak ({_num(r['matmul_peak_tflops'])} TFLOP/s) | "
                         f"{r['mfu_vs_measured_peak']:.1%} |")
-            if dots := r.get("compiled", {}).get("dots"):
-                n_f8 = sum(n for types, n in dots.items() if "f8" in types)
-                rows.append(f"{head} {what}: compiled dots with FP8 operands | {n_f8} of {sum(dots.values())} |")
+            if compiled := r.get("compiled"):  # GPU GEMMs are cuBLAS(Lt) custom calls; CPU ones stay dots
+                gemms = {t: n for t, n in compiled["custom_calls"].items() if "matmul" in t or "gemm" in t}
+                gemms |= {f"dot {t}": n for t, n in compiled.get("dots", {}).items()}
+                n_f8 = sum(n for t, n in gemms.items() if "f8" in t)
+                listed = ", ".join(f"{t} x{n}" for t, n in gemms.items())
+                rows.append(f"{head} {what}: compiled GEMMs in FP8 ({_cell(listed)}) | {n_f8} of "
+                            f"{sum(gemms.values())} |")
             continue
         if "fp8_gemm" in r:  # fp8_gemm.py
             sh = r["fp8_gemm"]["shape"]
