@@ -8,9 +8,9 @@ Formats:
   blockwise  moejax's model.fp8='blockwise' GEMM (kernels/fp8.py: DeepSeek-V3's 1 x 128 / 128 x 128 tiles via qwix):
              qwix contracts each 128-wide K tile as its own f8 GEMM and sums the scaled f32 partials, so every
              K tile writes an M x N f32 partial: on a GPU without a fused-promotion kernel this is memory-bound.
-  rowwise    a measurement-only candidate, not a model.fp8 value: one scale per row of each operand along the
-             contraction (activations per token, weights per output column; the backward re-quantises along its
-             own contraction), so each GEMM is one f8 GEMM whose scales apply after it (qwix channelwise).
+  rowwise    model.fp8='rowwise': one scale per row of each operand along the contraction (activations per token,
+             weights per output column; the backward re-quantises along its own contraction), so each GEMM is one
+             f8 GEMM whose scales apply after it.
   mxfp8      moejax's model.fp8='mxfp8' (cuDNN block-scaled GEMM; Blackwell).
 
 TFLOP/s count 2 FLOPs per multiply-add, three GEMMs (fwd, dgrad, wgrad). The JSON records each compiled program's
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import json
 import shlex
 import sys
@@ -30,44 +29,14 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import qwix
 
 from moejax.kernels import fp8
 from moejax.parallel.hlo_kernels import kernel_inventory
 
 
-def _rowwise_gemm(a_RxK, b_CxK):
-    """a . b^T with each row of both operands scaled by its own amax / 448 (e4m3), f32 out: one f8 GEMM."""
-    dims = (((1,), (1,)), ((), ()))
-    a_q = qwix.quantize(a_RxK.astype(jnp.float32), fp8.E4M3, channelwise_axes=(0,))
-    b_q = qwix.quantize(b_CxK.astype(jnp.float32), fp8.E4M3, channelwise_axes=(0,))
-    return qwix.dot_general(a_q, b_q, dims, preferred_element_type=jnp.float32)
-
-
-@jax.custom_vjp
-def rowwise_matmul(x_MxK, w_KxN):
-    return _rowwise_gemm(x_MxK, w_KxN.T).astype(x_MxK.dtype)
-
-
-def _rowwise_fwd(x_MxK, w_KxN):
-    return rowwise_matmul(x_MxK, w_KxN), (x_MxK, w_KxN)
-
-
-def _rowwise_bwd(residuals, dy_MxN):
-    x_MxK, w_KxN = residuals
-    dx = _rowwise_gemm(dy_MxN, w_KxN).astype(x_MxK.dtype)
-    dw = _rowwise_gemm(x_MxK.T, dy_MxN.T).astype(w_KxN.dtype)
-    return dx, dw
-
-
-rowwise_matmul.defvjp(_rowwise_fwd, _rowwise_bwd)
-
-
 def matmul_for(fmt: str):
     if fmt == "none":
         return lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
-    if fmt == "rowwise":
-        return rowwise_matmul
     return lambda x, w: fp8.fp8_matmul(x[None], w[None], fmt)[0]
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One prepared GPU check for the day a GPU is lent: the DeepSeek-V3 layer slice and the kernel benchmarks on one
-# NVIDIA GPU (sized for an H200), each under a timeout (they sum to 800 s; on an H200 on 2026-12-04 the first five
+# NVIDIA GPU (sized for an H200), each under a timeout (they sum to 890 s; on an H200 on 2026-12-04 the first five
 # took 281 s), most important first: an outer limit (the device tool's timeout_s) cuts the last. ONLY="NAME ..."
 # runs a subset. Prints the rows for benchmarks/RESULTS.md last.
 #
@@ -25,8 +25,8 @@
 #   echo /.whl/ >> .git/info/exclude                 # once: the wheel folder travels only as a carried path
 #   bash benchmarks/gpu_check.sh --download-wheels .whl
 #   run(command="bash benchmarks/gpu_check.sh .whl", carry=[".whl"], timeout_s=590)
-# The JSON, the log and the RESULTS.md rows are written to $OUT (the tool returns them; 9 files: the tool returns 8,
-# so the rows file is left out when everything ran: they are printed too), else to
+# The JSON, the log and the RESULTS.md rows are written to $OUT (the tool returns them; 10 files: the tool returns 8,
+# so some are left out when everything ran: run a subset with ONLY, the rows are printed too), else to
 # benchmarks/results/gpu_check/. Copy the printed rows into benchmarks/RESULTS.md. Timeouts per run can be
 # changed with T_LAYER (120 s), T_LAYER_FP8 (90 s, each of the capacity bf16 / FP8 slices), T_KERNELS (150 s,
 # each of the two kernel runs), T_FP8_GEMM (90 s) and T_TRAIN_STEP (150 s).
@@ -166,12 +166,14 @@ run() {  # run NAME SECONDS CMD...: CMD under a timeout, its exit status reporte
 run deepseek_layer "$T_LAYER" "$PY" benchmarks/deepseek_layer.py --dtype bfloat16 --tokens 4096 --seq 4096 \
     --steps 10 --json "$DEST/deepseek_layer.json"
 # 2. the same slice with capacity dispatch (batched einsum GEMMs, capacity 1.25), in bf16 and in DeepSeek-V3's
-#    blockwise FP8 (Hopper): dropless vs capacity, and FP8 vs bf16 on the same GEMMs; the JSON lists the compiled
-#    program's dot operand types (f8e4m3fn x f8e4m3fn: an FP8 GEMM)
+#    blockwise and rowwise FP8 (Hopper): dropless vs capacity, and FP8 vs bf16 on the same GEMMs; the JSON lists the
+#    compiled program's GEMM calls (__cublas$lt$matmul$f8: an FP8 GEMM)
 run deepseek_layer_capacity "$T_LAYER_FP8" "$PY" benchmarks/deepseek_layer.py --dtype bfloat16 --tokens 4096 \
     --seq 4096 --steps 10 --dispatch capacity --json "$DEST/deepseek_layer_capacity.json"
 run deepseek_layer_fp8 "$T_LAYER_FP8" "$PY" benchmarks/deepseek_layer.py --dtype bfloat16 --tokens 4096 \
     --seq 4096 --steps 10 --dispatch capacity --fp8 blockwise --json "$DEST/deepseek_layer_fp8.json"
+run deepseek_layer_fp8_rowwise "$T_LAYER_FP8" "$PY" benchmarks/deepseek_layer.py --dtype bfloat16 --tokens 4096 \
+    --seq 4096 --steps 10 --dispatch capacity --fp8 rowwise --json "$DEST/deepseek_layer_fp8_rowwise.json"
 # 3. flash attention + grouped GEMM by tokamax (what `auto` picks on GPU)
 run kernels_tokamax "$T_KERNELS" "$PY" benchmarks/kernels.py --expert_gemm tokamax --attention tokamax_mosaic \
     --json "$DEST/kernels_tokamax.json"
@@ -191,6 +193,7 @@ echo
 echo "=== rows for benchmarks/RESULTS.md (| date | GPU | command | metric | value |):"
 jsons=()
 for f in "$DEST"/deepseek_layer.json "$DEST"/deepseek_layer_capacity.json "$DEST"/deepseek_layer_fp8.json \
+         "$DEST"/deepseek_layer_fp8_rowwise.json \
          "$DEST"/kernels_tokamax.json "$DEST"/kernels_alternatives.json "$DEST"/fp8_gemm.json \
          "$DEST"/train_step.json; do
     [[ -s "$f" ]] && jsons+=("$f")

@@ -66,6 +66,15 @@ def reference_mxfp8_rows(a_RxK):
     return full(q), full(scale)
 
 
+def reference_rowwise_rows(a_RxK):
+    """One scale per row along the contraction: amax(row) / 448 (1 for an all-zero row), value = e4m3(x / scale)."""
+    a = a_RxK.astype(np.float32)
+    scale = np.max(np.abs(a), axis=1, keepdims=True) * INV_448
+    scale = np.where(scale < TINY_SCALE, np.float32(1.0), scale).astype(np.float32)
+    q = (a / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    return q, np.broadcast_to(scale, a.shape)
+
+
 def _hard_rows(rng, rows, k):
     """Normal rows with a spread of magnitudes, an all-zero row, and a row whose amax / 448 is a power of two."""
     a = rng.standard_normal((rows, k)).astype(np.float32) * np.float32(2.0) ** rng.integers(-12, 6, (rows, 1))
@@ -111,6 +120,41 @@ def test_mxfp8_blocks_equal_the_reference(k):
     assert np.max(np.abs(values)) <= 448.0
 
 
+@pytest.mark.parametrize("k", [96, 300])
+def test_rowwise_rows_equal_the_reference(k):
+    a = _hard_rows(np.random.default_rng(k + 2), 6, k)
+    q = fp8.quantize_rows(jnp.asarray(a)[None], "rowwise")
+    values, scale = reference_rowwise_rows(a)
+    assert q.qvalue.dtype == jnp.float8_e4m3fn and q.scale.shape == (1, 6, 1)  # one scale per row
+    np.testing.assert_array_equal(np.asarray(q.qvalue[0].astype(jnp.float32)), values)
+    np.testing.assert_array_equal(np.broadcast_to(np.asarray(q.scale[0]), a.shape), scale)
+
+
+def _lowered_dots(fmt, m=256, k=384, n=320):
+    """(operand element types, contraction length) of every dot in the lowered fwd+bwd of x [m, k] @ w [k, n]."""
+    import re
+
+    def fwd_bwd(x, w):
+        y, vjp = jax.vjp(lambda x, w: fp8.fp8_matmul(x[None], w[None], fmt)[0], x, w)
+        return y, vjp(jnp.ones_like(y))
+
+    text = jax.jit(fwd_bwd).lower(jnp.ones((m, k), jnp.bfloat16), jnp.ones((k, n), jnp.bfloat16)).as_text()
+    dots = []
+    for d in re.finditer(r"stablehlo\.dot_general .*?contracting_dims = \[(\d+)\] x .*?: \(tensor<([0-9x]+)x(\w+)>, "
+                         r"tensor<[0-9x]+x(\w+)>\)", text):
+        dots.append((f"{d[3]} x {d[4]}", int(d[2].split("x")[int(d[1])])))
+    return dots
+
+
+def test_rowwise_gemms_are_one_fp8_dot_each_and_blockwise_ones_are_per_tile():
+    """What makes rowwise fast on GPUs and blockwise slow without a fused-promotion kernel, read from the lowered
+    program: rowwise runs each of the three GEMMs (forward, dgrad, wgrad) as one e4m3 dot over the whole
+    contraction; blockwise runs them as dots of depth 128, one per tile, whose f32 partials are summed after."""
+    f8 = "f8E4M3FN x f8E4M3FN"
+    assert sorted(_lowered_dots("rowwise")) == [(f8, 256), (f8, 320), (f8, 384)]
+    assert sorted(_lowered_dots("blockwise")) == [(f8, 128)] * 3
+
+
 def _error_bound(a_RxK, b_CxK, quant_a, quant_b):
     """|fp8 a.b^T - a.b^T| <= sum_k |a||eb| + |b||ea| + |ea||eb|, with each quantised element within
     u |x| + s 2^-10 of x (u = 2^-4: normal rounding; s 2^-10: half the subnormal spacing), plus f32 slack."""
@@ -123,7 +167,7 @@ def _error_bound(a_RxK, b_CxK, quant_a, quant_b):
     return np.abs(a64) @ eb.T + ea @ np.abs(b64).T + ea @ eb.T + slack
 
 
-@pytest.mark.parametrize("fmt", ["blockwise", "mxfp8"])
+@pytest.mark.parametrize("fmt", ["blockwise", "rowwise", "mxfp8"])
 def test_every_fp8_gemm_stays_inside_its_scaling_bound(fmt):
     """Forward, activation gradient and weight gradient of x @ w, each against f64 and the bound its operands'
     scaling implies; and the error is that of FP8 (not zero), so the GEMMs did run quantised."""
@@ -134,8 +178,8 @@ def test_every_fp8_gemm_stays_inside_its_scaling_bound(fmt):
     dy = rng.standard_normal((m, n)).astype(np.float32)
     y, vjp = jax.vjp(lambda x, w: fp8.fp8_einsum("mk,kn->mn", x, w, fmt), jnp.asarray(x), jnp.asarray(w))
     dx, dw = vjp(jnp.asarray(dy))
-    rows = reference_blockwise_rows if fmt == "blockwise" else reference_mxfp8_rows
-    weight = reference_blockwise_weight if fmt == "blockwise" else reference_mxfp8_rows
+    rows = {"blockwise": reference_blockwise_rows, "rowwise": reference_rowwise_rows, "mxfp8": reference_mxfp8_rows}[fmt]
+    weight = {"blockwise": reference_blockwise_weight}.get(fmt, rows)  # rowwise: per output column
     products = {  # name: (fp8 result, a [R, K], b [C, K], how a and b are quantised)
         "y": (y, x, w.T, rows, weight),
         "dx": (dx, dy, w, rows, weight),
@@ -167,6 +211,10 @@ def test_fp8_config_errors_before_compile():
         resolve_kernels(_fp8_config("mxfp8"), "gpu", 9.0)
     with pytest.raises(ConfigError, match="compute capability >= 8.9"):
         resolve_kernels(_fp8_config("blockwise"), "gpu", 8.0)
+    with pytest.raises(ConfigError, match="compute capability >= 8.9"):
+        resolve_kernels(_fp8_config("rowwise"), "gpu", 8.0)
+    with pytest.raises(ConfigError, match="use model.fp8='rowwise', 'blockwise' or model.fp8='none'"):
+        resolve_kernels(_fp8_config("mxfp8"), "gpu", 9.0)
     c = _fp8_config()
     c.moe.dispatch, c.kernels.expert_gemm = "dropless", "tokamax"
     with pytest.raises(ConfigError, match="FP8 expert GEMM"):

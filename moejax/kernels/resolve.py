@@ -80,18 +80,18 @@ TOKAMAX_GEMM_TILE = 64
 
 
 def _fp8(cfg, platform: str, compute_capability: float | None) -> str:
-    """model.fp8 checked against the platform: FP8 tensor cores from compute capability 8.9 (blockwise e4m3),
-    block-scaled MXFP8 GEMMs from 10.0 (Blackwell). On CPU both run emulated by XLA (tests, numerics)."""
+    """model.fp8 checked against the platform: FP8 tensor cores from compute capability 8.9 (blockwise and rowwise
+    e4m3), block-scaled MXFP8 GEMMs from 10.0 (Blackwell). On CPU all run emulated by XLA (tests, numerics)."""
     fmt = cfg.model.get("fp8", "none")
     if fmt == "none":
         return fmt
     if platform not in ("cpu", "gpu"):
         raise ConfigError(f"model.fp8={fmt!r} targets NVIDIA GPUs (and CPU emulation); the mesh's devices are {platform}")
-    need = {"blockwise": 8.9, "mxfp8": 10.0}[fmt]
+    need = {"blockwise": 8.9, "rowwise": 8.9, "mxfp8": 10.0}[fmt]
     if platform == "gpu" and compute_capability is not None and compute_capability < need:
         raise ConfigError(f"model.fp8={fmt!r} needs compute capability >= {need} (FP8 tensor cores"
                           f"{', block-scaled: Blackwell' if fmt == 'mxfp8' else ''}); these GPUs are "
-                          f"{compute_capability}: use " + ("model.fp8='blockwise' or " if compute_capability >= 8.9
+                          f"{compute_capability}: use " + ("model.fp8='rowwise', 'blockwise' or " if compute_capability >= 8.9
                                                            else "") + "model.fp8='none'")
     return fmt
 
