@@ -59,14 +59,14 @@ def test_fp8_step_on_a_mesh_equals_one_device(devices):
 
 def test_planner_runs_the_fp8_share_at_the_fp8_peak():
     """DeepSeek-V3 at sequence 4096: the FP8 share of the model FLOPs is every projection and FFN (83.7%); the
-    planner's compute time for a layout is that share at the fp8 peak plus the rest at the bf16 peak (checked on
-    DeepSeek-V3-small, whose trace is cheap)."""
+    planner's compute time for a layout is that share at the format's GEMM rate (the fp8 peak for mxfp8; blockwise:
+    the measured fraction of bf16) plus the rest at the bf16 peak (checked on DeepSeek-V3-small: cheap to trace)."""
     import runpy
 
     from moejax.model.accounting import flops_per_token, fp8_macs_fraction
     from moejax.parallel.topology import get_topology
     from moejax.planner.layout import Layout
-    from moejax.planner.predict import assumptions, predict
+    from moejax.planner.predict import BLOCKWISE_VS_BF16_MEASURED, assumptions, predict
     big = runpy.run_path("configs/deepseek_v3_671b.py")["get_config"]()
     assert fp8_macs_fraction(big, 4096) == 0.0
     big.model.fp8 = "mxfp8"
@@ -83,6 +83,12 @@ def test_planner_runs_the_fp8_share_at_the_fp8_peak():
     expected = bf16.compute_s / bf16.recompute * fp8_run.recompute * ((1 - share) + share * topo.peak_bf16 / topo.peak_fp8)
     assert fp8_run.compute_s == pytest.approx(expected, rel=1e-9)
     assert fp8_run.compute_s < bf16.compute_s
+    # blockwise: qwix's per-tile GEMMs at the fraction of the bf16 GEMM measured on an H200, slower than bf16
+    cfg.model.fp8 = "blockwise"
+    blockwise = predict(cfg, topo, layout, efficiency=0.5, domain_size=8)
+    expected = bf16.compute_s / bf16.recompute * blockwise.recompute * ((1 - share) + share / BLOCKWISE_VS_BF16_MEASURED)
+    assert blockwise.compute_s == pytest.approx(expected, rel=1e-9) and blockwise.compute_s > bf16.compute_s
+    cfg.model.fp8 = "mxfp8"
     assert f"{share:.1%} of the model FLOPs" in " ".join(assumptions(topo, 0.5, 8, cfg))
 
 

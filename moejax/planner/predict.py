@@ -2,8 +2,8 @@
 
 Time model (every assumption is listed by `assumptions()` and printed with the results):
   compute   model FLOPs (Megatron-Core convention, plan's tokens) x recompute factor / (peak x efficiency), the
-            peak being the fp8 one for the share of FLOPs model.fp8 runs in FP8 (accounting.fp8_macs_fraction)
-            and the bf16 one for the rest; the recompute factor of each remat policy is traced from the step
+            peak being the FP8 format's GEMM rate (fp8_gemm_peak) for the share of FLOPs model.fp8 runs in FP8
+            (accounting.fp8_macs_fraction) and the bf16 one for the rest; the recompute factor of each remat policy is traced from the step
             (planner/recompute.py)
   exposed   expert all-to-all and tensor all-reduces sit on the critical path (the next matmul needs
             them); fsdp gathers and gradient sums overlap with compute and only their excess shows
@@ -28,6 +28,18 @@ from moejax.planner.comm import buffer_bytes_by_link, step_traffic, wire_bytes
 from moejax.planner.layout import Layout
 from moejax.planner.memory import MemoryEstimate, estimate_memory
 from moejax.planner.recompute import recompute_factor
+
+# blockwise FP8 GEMMs as qwix runs them (one GEMM of depth 128 per contraction tile, every tile's f32 partial written
+# and summed) against the bf16 GEMM: measured on an H200 on 2026-12-04 (benchmarks/fp8_gemm.py, one 8192 x 7168 x
+# 2048 GEMM fwd+bwd, 120 vs 345 TFLOP/s; benchmarks/RESULTS.md). Memory-bound, so applied to every GPU as a ratio.
+BLOCKWISE_VS_BF16_MEASURED = 0.35
+
+
+def fp8_gemm_peak(fmt: str, topo: Topology) -> float:
+    """The dense rate the planner gives a model.fp8 format's GEMMs: the fp8 peak where each GEMM is one FP8 GEMM
+    (rowwise: 2.17x the bf16 GEMM measured on an H200, the peaks say 2x; mxfp8: cuDNN's block-scaled GEMM, not
+    measured), the measured fraction of the bf16 peak for blockwise."""
+    return BLOCKWISE_VS_BF16_MEASURED * topo.peak_bf16 if fmt == "blockwise" else topo.peak_fp8
 
 CRITICAL = ("expert", "tensor", "stage")  # collectives over these axes are waited on, not overlapped
 
@@ -92,9 +104,10 @@ def predict(cfg, topo: Topology, layout: Layout, *, efficiency: float, domain_si
     model_flops = flops_per_token(cfg, seq) * tokens_per_step / n
     recompute = recompute_factor(cfg, layout.remat, dispatch=layout.dispatch, seq_len=seq)
     fp8_share = fp8_macs_fraction(cfg, seq)
+    fp8_peak = fp8_gemm_peak(cfg.model.get("fp8", "none"), topo)
     bubble, stage_compute = stage_terms(cfg, layout, seq)
     compute_s = (model_flops * recompute * stage_compute
-                 * ((1 - fp8_share) / topo.peak_bf16 + fp8_share / topo.peak_fp8) / efficiency)
+                 * ((1 - fp8_share) / topo.peak_bf16 + fp8_share / fp8_peak) / efficiency)
     exposed = critical_s + max(0.0, overlap_s - compute_s)
     step_s = compute_s + exposed
     tokens_per_s = tokens_per_step / step_s / n
@@ -193,7 +206,10 @@ def _recompute_text(cfg, remats, dispatches) -> str:
 def _fp8_text(cfg, topo: Topology, efficiency: float) -> str:
     share = fp8_macs_fraction(cfg, int(cfg.train.seq_len))
     return (f"fp8 ({cfg.model.fp8}): {share:.1%} of the model FLOPs (projections, dense/shared/routed FFNs, MTP "
-            f"projection) at {efficiency:.0%} of the fp8 dense peak {topo.peak_fp8 / 1e12:.0f} TFLOP/s, the rest "
+            f"projection) at {efficiency:.0%} of " + (
+                f"{BLOCKWISE_VS_BF16_MEASURED:.2f} x the bf16 peak (qwix's per-tile blockwise GEMMs, measured on an "
+                f"H200), {fp8_gemm_peak('blockwise', topo) / 1e12:.0f} TFLOP/s" if cfg.model.fp8 == "blockwise" else
+                f"the fp8 dense peak {topo.peak_fp8 / 1e12:.0f} TFLOP/s") + ", the rest "
             "(attention core, LM heads) at the bf16 peak; memory and dispatch bytes unchanged (moejax saves the "
             "bf16 inputs for the backward and re-quantises them, and dispatches bf16 rows)")
 
@@ -229,7 +245,7 @@ def assumptions(topo: Topology, efficiency: float, domain_size: int, cfg=None, *
         "on; every tick's residuals kept until the backward (all M micro-batches: GPipe memory, not 1F1B's)",
         "not modelled: 1F1B / zero-bubble schedules (moejax runs the circular one), uneven stage splits, "
         + ("FP8 GEMMs (model.fp8=none), " if cfg is None or cfg.model.get("fp8", "none") == "none" else
-           "FP8 GEMMs below the fp8 peak's efficiency (qwix's blockwise dot runs K/128 GEMMs of depth 128), ")
+           "FP8 quantisation passes (amax, scale, cast: elementwise, memory-bound), ")
         + "communication/computation overlap inside the MoE layer "
         "(DualPipe-style), load imbalance across experts (dropless overflow rounds of steps whose load exceeds "
         "the window), stragglers",
