@@ -13,7 +13,7 @@ xla / einsum on CPU, tokamax_mosaic / tokamax (dropless grouped GEMM) on GPU. A 
 dims or the installed packages cannot run is refused with the ConfigError saying what to change.
 
 `--dispatch capacity` runs the capacity path (capacity factor 1.25, batched einsum GEMMs) instead of dropless;
-`--fp8 blockwise|mxfp8` runs the GEMMs in FP8 (model.fp8; the expert GEMM is then the einsum one). The JSON records
+`--fp8 blockwise|rowwise|mxfp8` runs the GEMMs in FP8 (model.fp8; the expert GEMM is then the einsum one). The JSON records
 what the compiled program runs (custom-call targets, fusion kinds, the element types of every dot's operands), so a
 GPU run says whether its GEMMs are FP8 cuBLASLt calls.
 

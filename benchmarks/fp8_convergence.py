@@ -4,9 +4,10 @@ quarter of the steps (every step logged: a short run's loss moves by a few perce
 next, so single logged values are too noisy to compare formats), the held-out loss, and each FP8 run's gap to the
 bf16 run of the same seed. With several --seeds (config.seed: initialisation and data order) it also prints each
 format's mean over the seeds and the mean and spread of its per-seed gaps, which separate a format's bias from one
-run's noise. Writes JSON. Each run is `moejax-train` in its own process.
+run's noise. The pseudo-format `f32` (f32 compute, no FP8) measures the noise floor: how far a harmless precision
+change moves a seed's loss. Writes JSON. Each run is `moejax-train` in its own process.
 
-    python benchmarks/fp8_convergence.py [--config configs/deepseek_v3_small.py] [--formats none,blockwise,mxfp8]
+    python benchmarks/fp8_convergence.py [--config configs/deepseek_v3_small.py] [--formats none,blockwise,rowwise,mxfp8,f32]
         [--steps 200] [--seeds 0] [--json benchmarks/results/fp8_convergence.json]
 """
 
@@ -22,8 +23,11 @@ from pathlib import Path
 
 
 def train(config: str, fmt: str, steps: int, workdir: Path, seed: int = 0) -> dict:
+    # "f32": f32 compute without FP8, a precision change that should cost nothing: its gap to bf16 at a seed is
+    # that seed's noise floor (how far any perturbation of the run moves its loss at this length)
+    dtype, fp8 = ("float32", "none") if fmt == "f32" else ("bfloat16", fmt)
     cmd = [sys.executable, "-m", "moejax.train", "--config", config, "--workdir", str(workdir),
-           "--config.model.dtype=bfloat16", f"--config.model.fp8={fmt}", f"--config.train.steps={steps}",
+           f"--config.model.dtype={dtype}", f"--config.model.fp8={fp8}", f"--config.train.steps={steps}",
            "--config.train.log_every=1", f"--config.seed={seed}"]
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
