@@ -13,6 +13,7 @@ import moejax
 from moejax import api
 from moejax.data.shards import DataError
 from moejax.parallel.topology import TopologyError
+from cpu_env import FAST_COMPILE
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.py"
@@ -80,6 +81,7 @@ def test_plan_ranks_layouts():
 def _sweep(tmp_path, *values):
     sets = [a for k, v in SMALL.items() for a in ("--set", f"{k}={v}")]
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["XLA_FLAGS"] = FAST_COMPILE  # no device-count flag: moejax adds it
     return subprocess.run([sys.executable, str(ROOT / "launch" / "sweep.py"), "--config", str(TINY),
                            "--field", "optim.lr", "--values", ",".join(values), "--workdir", str(tmp_path / "sweep"),
                            "--cpu_devices", "8", *sets], capture_output=True, text=True, env=env, cwd=ROOT,

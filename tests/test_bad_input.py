@@ -15,6 +15,7 @@ import pytest
 
 from moejax.cli.data import main as data_main
 from tests.test_data_files import hf_tokenizer_json
+from cpu_env import cpu_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -96,7 +97,7 @@ ROWS = [
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
     """Every row's moejax-train run, started together (each exits before compiling)."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = cpu_env(8)
     started = {}
     for name, setup, _ in ROWS:
         tmp = tmp_path_factory.mktemp(name.replace(" ", "_"))

@@ -6,12 +6,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from cpu_env import FAST_COMPILE, cpu_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_cli(*args, workdir):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = cpu_env(8)
     return subprocess.run([sys.executable, "-m", "moejax.train", "--config", str(ROOT / "configs/tiny.py"),
                            "--workdir", str(workdir), *args], capture_output=True, text=True, env=env,
                           cwd=ROOT, timeout=300)
@@ -50,7 +51,7 @@ def test_bad_config_exits_2_and_writes_nothing(args, message, tmp_path):
 
 
 def test_missing_config_file_exits_2(tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = cpu_env(8)
     proc = subprocess.run([sys.executable, "-m", "moejax.train", "--config", str(tmp_path / "nope.py"),
                            "--workdir", str(tmp_path / "run")], capture_output=True, text=True, env=env,
                           timeout=300)
@@ -60,9 +61,10 @@ def test_missing_config_file_exits_2(tmp_path):
 
 
 def test_a_laptop_run_needs_no_xla_flags(tmp_path):
-    """No accelerator and no XLA_FLAGS: the config's mesh is emulated in CPU devices, said in one line; the dry
+    """No accelerator and no device-count flag in XLA_FLAGS: the config's mesh is emulated in CPU devices, said in one line; the dry
     run picks its device count from the mesh too (data=-1 x expert=4 -> 8)."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["XLA_FLAGS"] = FAST_COMPILE  # no device-count flag: moejax adds it
     small = ["--config.train.steps=1", "--config.model.n_layers=2", "--config.train.global_batch=8",
              "--config.train.seq_len=32", "--config.data.max_bytes=1000000", "--config.train.eval_every=0"]
     proc = subprocess.run([sys.executable, "-m", "moejax.train", "--config", str(ROOT / "configs/tiny.py"),

@@ -12,12 +12,13 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from cpu_env import cpu_env
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[1]
-ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+ENV = cpu_env(8)
 
 
 def run(*args):

@@ -18,6 +18,7 @@ from moejax.config import default_config, validate
 from moejax.model.loss import lm_loss
 from moejax.parallel.mesh import batch_sharding, make_mesh
 from moejax.program.state import create_model, state_shardings
+from cpu_env import cpu_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -130,7 +131,7 @@ def test_mtp_targets_are_masked_at_the_row_end_and_across_documents():
 
 
 def test_deepseek_v3_small_trains_with_mla_and_mtp(tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = cpu_env(8)
     proc = subprocess.run(
         [sys.executable, "-m", "moejax.train", "--config", str(ROOT / "configs/deepseek_v3_small.py"),
          "--workdir", str(tmp_path / "run"), "--config.train.steps=16", "--config.train.log_every=4",

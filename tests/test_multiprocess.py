@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from cpu_env import cpu_env
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--config", str(ROOT / "configs/tiny.py"), "--config.train.global_batch=8", "--config.train.seq_len=32",
@@ -16,7 +17,7 @@ SMALL = ["--config", str(ROOT / "configs/tiny.py"), "--config.train.global_batch
 
 
 def env(devices):
-    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    return cpu_env(devices)
 
 
 def losses(workdir):

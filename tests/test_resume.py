@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cpu_env import cpu_env
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 30
@@ -35,7 +36,7 @@ def command(workdir, *extra):
 
 
 def env(devices=8, cache=True):
-    e = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    e = cpu_env(devices)
     if cache:
         e.update(JAX_COMPILATION_CACHE_DIR=str(XLA_CACHE), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     return e

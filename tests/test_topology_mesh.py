@@ -16,6 +16,7 @@ import pytest
 
 from moejax.parallel.device_grid import MeshLayoutError, groups_along, hybrid_device_grid
 from moejax.parallel.topology import TopologyError, detect_topology, device_domains, get_topology
+from cpu_env import cpu_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -168,7 +169,7 @@ print(json.dumps({"expert_groups": ids, "psum_ok": bool(summed.shape == (n,)), "
     (16, 8, sizes(data=2, expert=4, tensor=2), sizes(expert=16)),
 ])
 def test_emulated_devices_in_fake_domains(n, domain, layout, bad):
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}", JAX_PLATFORMS="cpu")
+    env = cpu_env(n)
     out = subprocess.run([sys.executable, "-c", _EMULATED, str(n), str(domain), json.dumps(layout), json.dumps(bad)],
                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]

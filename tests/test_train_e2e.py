@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from cpu_env import cpu_env
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = {"step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "tflops_per_device", "mfu",
@@ -17,7 +18,7 @@ SMALL = ["--config.train.global_batch=8", "--config.train.seq_len=32", "--config
 
 
 def train(workdir, steps, *extra):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = cpu_env(8)
     return subprocess.run([sys.executable, "-m", "moejax.train", "--config", str(ROOT / "configs/tiny.py"),
                            "--workdir", str(workdir), f"--config.train.steps={steps}", *SMALL, *extra],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
