@@ -25,6 +25,7 @@ if os.environ.get("MOEJAX_FP8_TRAINING") != "1":
 
 import jax  # noqa: E402
 
+from cpu_env import FAST_COMPILE  # noqa: E402
 from tests.test_resume import losses, records, run  # noqa: E402
 
 
@@ -113,9 +114,12 @@ def test_fp8_run_resumes_bitwise(tmp_path):
 def test_deepseek_v3_small_trains_in_fp8_within_2_percent_of_bf16(tmp_path):
     out = tmp_path / "fp8_convergence.json"
     # bf16 and blockwise only: a third 200-step run (mxfp8, +0.6% measured) would add ~7 minutes to CI's budget.
+    # The 200-step runs are run-time bound: optimised XLA:CPU code, as the benchmark's measurements were made
+    # (the suite's fast-compile flag, tests/cpu_env.py, is for compile-bound tests).
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "").replace(FAST_COMPILE, "").strip())
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/fp8_convergence.py"), "--formats", "none,blockwise",
                            "--json", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=3600)
+                          cwd=ROOT, capture_output=True, text=True, timeout=3600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     print(proc.stdout)
     runs = {r["format"]: r for r in json.loads(out.read_text())["runs"]}
