@@ -46,7 +46,7 @@ from moejax.parallel.hlo_kernels import kernel_inventory
 
 
 def slice_config(scale: float, top_k: int, dtype: str, attention: str = "auto", expert_gemm: str = "auto",
-                 dispatch: str = "dropless", fp8: str = "none"):
+                 dispatch: str = "dropless", fp8_format: str = "none"):
     c = default_config()
     m, e = c.model, c.moe
     s = lambda n: max(8, int(n * scale))  # noqa: E731
@@ -59,7 +59,7 @@ def slice_config(scale: float, top_k: int, dtype: str, attention: str = "auto", 
     e.n_routed_experts, e.n_shared_experts, e.top_k, e.d_ff_expert = 8, 1, top_k, s(2048)
     e.score_func, e.routed_scaling = "sigmoid", 2.5
     e.dispatch, e.capacity_factor = dispatch, (0.0 if dispatch == "dropless" else 1.25)
-    m.fp8 = fp8
+    m.fp8 = fp8_format
     c.kernels.attention, c.kernels.expert_gemm = attention, expert_gemm
     return c
 

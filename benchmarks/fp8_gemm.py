@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from moejax.kernels import fp8
-from moejax.parallel.hlo_kernels import kernel_inventory
+from moejax.parallel.hlo_kernels import gemm_custom_calls, kernel_inventory
 
 
 def matmul_for(fmt: str):
@@ -61,8 +61,7 @@ def measure(fmt: str, x, w, steps: int) -> dict:
     ref = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32))
     rel_err = float(jnp.linalg.norm(out[0].astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
     inv = kernel_inventory(compiled.as_text())
-    gemm_calls = {k: v for k, v in inv["custom_calls"].items() if "matmul" in k or "gemm" in k}
-    return {"format": fmt, "step_ms": step_s * 1e3, "rel_err_fwd": rel_err, "gemm_custom_calls": gemm_calls,
+    return {"format": fmt, "step_ms": step_s * 1e3, "rel_err_fwd": rel_err, "gemm_custom_calls": gemm_custom_calls(inv),
             "fusions": inv["fusions"], "dots": inv["dots"]}
 
 

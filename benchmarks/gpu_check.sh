@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One prepared GPU check for the day a GPU is lent: the DeepSeek-V3 layer slice and the kernel benchmarks on one
-# NVIDIA GPU (sized for an H200), each under a timeout (they sum to 890 s; on an H200 on 2026-12-04 the first five
+# NVIDIA GPU (sized for an H200), each under a timeout (they sum to 930 s; on an H200 on 2026-12-04 the first five
 # took 281 s), most important first: an outer limit (the device tool's timeout_s) cuts the last. ONLY="NAME ..."
 # runs a subset. Prints the rows for benchmarks/RESULTS.md last.
 #
@@ -182,7 +182,7 @@ run kernels_tokamax "$T_KERNELS" "$PY" benchmarks/kernels.py --expert_gemm tokam
 #    fused attention takes head dims <= 128, MLA's q/k head dim is 192.
 run kernels_alternatives "$T_KERNELS" "$PY" benchmarks/kernels.py --expert_gemm einsum,ragged_dot \
     --attention tokamax_triton,xla,cudnn --json "$DEST/kernels_alternatives.json"
-# 5. one GEMM fwd+bwd in bf16, blockwise FP8 and a rowwise-scaled FP8 candidate (benchmarks/fp8_gemm.py)
+# 5. one GEMM fwd+bwd in bf16, blockwise FP8 and rowwise FP8 (benchmarks/fp8_gemm.py)
 run fp8_gemm "$T_FP8_GEMM" "$PY" benchmarks/fp8_gemm.py --json "$DEST/fp8_gemm.json"
 # 6. the whole jitted training step (loss, optimizer, both dispatch modes) of the small DeepSeek-V3-shaped benchmark
 #    config on this one GPU: that it compiles and runs; the model is too small for its MFU to mean much

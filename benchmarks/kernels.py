@@ -52,6 +52,7 @@ from moejax.config import ConfigError, default_config
 from moejax.kernels.attention import attention
 from moejax.kernels.grouped_gemm import expert_ffn, ragged_expert_ffn
 from moejax.kernels.resolve import resolve_kernels
+from moejax.parallel.hlo_kernels import gemm_custom_calls
 
 FLOP_CONVENTION = {
     "gemm": "2 FLOPs per multiply-add; fwd+bwd = 3 GEMM passes = 6 FLOPs per MAC; grouped counts the real rows "
@@ -309,7 +310,7 @@ def results_rows(paths) -> list[str]:
             rows.append(f"{head} {what}: MFU vs measured matmul peak ({_num(r['matmul_peak_tflops'])} TFLOP/s) | "
                         f"{r['mfu_vs_measured_peak']:.1%} |")
             if compiled := r.get("compiled"):  # GPU GEMMs are cuBLAS(Lt) custom calls; CPU ones stay dots
-                gemms = {t: n for t, n in compiled["custom_calls"].items() if "matmul" in t or "gemm" in t}
+                gemms = gemm_custom_calls(compiled)
                 gemms |= {f"dot {t}": n for t, n in compiled.get("dots", {}).items()}
                 n_f8 = sum(n for t, n in gemms.items() if "f8" in t)
                 listed = ", ".join(f"{t} x{n}" for t, n in gemms.items())

@@ -74,7 +74,8 @@ def default_config() -> ml_collections.ConfigDict:
     m.param_dtype = "float32"
     # FP8 GEMMs in training (README, "FP8"): none | blockwise (DeepSeek-V3: 1x128 / 128x128 e4m3, Hopper+; below
     # bf16 speed on GPUs, measured) | rowwise (one e4m3 scale per row along each GEMM's contraction, Hopper+: the
-    # fast one on Hopper) | mxfp8 (32-element E8M0 blocks, Blackwell). Projections, dense/shared/routed expert FFNs; not the router,
+    # fast one on Hopper) | mxfp8 (32-element E8M0 blocks, Blackwell). Projections, dense/shared/routed expert FFNs;
+    # not the router,
     # norms, attention softmax, embedding or LM head.
     m.fp8 = "none"
     m.remat = "full"

@@ -1,6 +1,6 @@
 """FP8 GEMMs for training, quantised by qwix: every forward and backward GEMM of a projection reads e4m3 inputs.
 
-Two formats (`model.fp8`):
+Three formats (`model.fp8`):
   blockwise  DeepSeek-V3's recipe (arXiv 2412.19437, section 3.3): activations and gradients scaled per 1 x 128 tile
              along the GEMM's contraction, weights per 128 x 128 block, scale = amax / 448 in f32, f32
              accumulation. Hopper (compute capability >= 8.9) and later.
@@ -8,7 +8,7 @@ Two formats (`model.fp8`):
              output column, gradients per row; each backward GEMM re-quantises along its own contraction), amax / 448
              in f32: the scales factor out of the sum, so each GEMM is one f8 x f8 GEMM with its scales applied after
              it (cuBLASLt FP8 on Hopper). Coarser than blockwise (one scale per up to d_ff elements instead of 128);
-             on an H200 one 8192 x 7168 x 2048 GEMM fwd+bwd ran 1.58x bf16 where blockwise ran 0.34x (README, FP8).
+             on an H200 one 8192 x 7168 x 2048 GEMM fwd+bwd ran 2.17x bf16 where blockwise ran 0.35x (README, FP8).
   mxfp8      OCP microscaling as NVIDIA trains with it on Blackwell (arXiv 2506.08027): every operand scaled per 1 x 32
              block along the contraction by a power of two (E8M0), rounded up (2^ceil(log2(amax / 448))) so no
              value saturates; each GEMM re-quantises its operands along its own contraction. On GPUs the GEMM is
@@ -16,7 +16,8 @@ Two formats (`model.fp8`):
 
 qwix does the quantisation (`qwix.quantize`: calibration, scale, cast) and the quantised dot (`qwix.dot_general`:
 f8 x f8 dots per contraction tile, scaled and summed in f32: for blockwise that is one GEMM of depth 128 per tile
-whose f32 partials all reach memory, which is why it runs below bf16 on GPUs without a fused-promotion kernel); this module only says which axes each operand of
+whose f32 partials all reach memory, which is why it runs below bf16 on GPUs without a fused-promotion kernel);
+this module only says which axes each operand of
 each GEMM is tiled along (the recipe) and wires forward and backward into one custom VJP.
 
 Every GEMM is brought to a canonical batched form first: x [G, M, K] times w [G, K, N] (G: the einsum's batch

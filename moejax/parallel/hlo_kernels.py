@@ -32,6 +32,12 @@ def kernel_inventory(hlo_text: str) -> dict[str, dict[str, int]]:
             "dots": dot_operand_types(hlo_text)}
 
 
+def gemm_custom_calls(inventory: dict) -> dict[str, int]:
+    """The GEMM library calls of a kernel_inventory (cuBLAS / cuBLASLt, `$f8` for FP8): on GPUs XLA turns dots into
+    these, so the compiled program's GEMMs are counted here, not among its dots."""
+    return {t: n for t, n in inventory["custom_calls"].items() if "matmul" in t or "gemm" in t}
+
+
 def dot_operand_types(hlo_text: str) -> dict[str, int]:
     """{'lhs x rhs' element types: count} over the program's dot instructions (inside GEMM fusions too)."""
     dtype_of = {}

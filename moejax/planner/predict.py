@@ -206,10 +206,9 @@ def _recompute_text(cfg, remats, dispatches) -> str:
 def _fp8_text(cfg, topo: Topology, efficiency: float) -> str:
     share = fp8_macs_fraction(cfg, int(cfg.train.seq_len))
     return (f"fp8 ({cfg.model.fp8}): {share:.1%} of the model FLOPs (projections, dense/shared/routed FFNs, MTP "
-            f"projection) at {efficiency:.0%} of " + (
-                f"{BLOCKWISE_VS_BF16_MEASURED:.2f} x the bf16 peak (qwix's per-tile blockwise GEMMs, measured on an "
-                f"H200), {fp8_gemm_peak('blockwise', topo) / 1e12:.0f} TFLOP/s" if cfg.model.fp8 == "blockwise" else
-                f"the fp8 dense peak {topo.peak_fp8 / 1e12:.0f} TFLOP/s") + ", the rest "
+            f"projection) at {efficiency:.0%} of {fp8_gemm_peak(cfg.model.fp8, topo) / 1e12:.0f} TFLOP/s ("
+            + (f"{BLOCKWISE_VS_BF16_MEASURED:.2f} x the bf16 peak: qwix's per-tile blockwise GEMMs, measured on an "
+               "H200" if cfg.model.fp8 == "blockwise" else "the fp8 dense peak") + "), the rest "
             "(attention core, LM heads) at the bf16 peak; memory and dispatch bytes unchanged (moejax saves the "
             "bf16 inputs for the backward and re-quantises them, and dispatches bf16 rows)")
 
