@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from moejax.parallel.pipeline import (bubble_fraction, check_schedule, circular_pipeline, from_chunks,
-                                      merge_micro_batches, micro_batches, schedule_ticks, to_chunks)
+from moejax.parallel.pipeline import (bubble_fraction, check_schedule, circular_pipeline, describe_split, from_chunks,
+                                      layer_slots, merge_micro_batches, micro_batches, schedule_ticks, slot_is_layer,
+                                      to_chunks)
 
 D, F, B = 16, 32, 8  # width, hidden width, rows per micro-batch (split over `data` inside each stage)
 
@@ -120,10 +121,26 @@ def test_pipeline_equals_the_layers_in_order(devices, stages, repeats, micro, pe
 def test_schedule_arithmetic_and_errors():
     assert schedule_ticks(4, 8, 2) == 19 and bubble_fraction(4, 8, 2) == 3 / 16
     assert bubble_fraction(2, 64, 8) == pytest.approx(1 / 512)  # the record's PP2 x VP8 at 64 micro-batches
-    with pytest.raises(ValueError, match="do not split into 4 stages x 2 virtual stages"):
-        check_schedule(12, 4, 2, 8)
+    assert check_schedule(12, 4, 2, 8) == 2  # uneven: 8 chunks of 2 slots, 4 of them with one layer
+    with pytest.raises(ValueError, match="are fewer than 4 stages x 2 virtual stages = 8 chunks"):
+        check_schedule(7, 4, 2, 8)
     with pytest.raises(ValueError, match="needs train.micro_batches >= stages"):
         check_schedule(8, 4, 1, 2)
+
+
+def test_uneven_split_fills_the_first_chunks_and_keeps_layer_order():
+    # DeepSeek-V3's 58 MoE layers on the record's PP2 x VP8: 16 chunks of 4 slots, 10 chunks of 4 layers, 6 of 3
+    slots = layer_slots(58, 2, 8)
+    is_layer = slot_is_layer(58, 2, 8)
+    assert is_layer.shape == (8, 2, 4) and is_layer.sum() == 58
+    assert list(is_layer.reshape(16, 4).sum(axis=1)) == [4] * 10 + [3] * 6
+    assert np.all(np.diff(slots) > 0) and is_layer.reshape(-1)[slots].all()  # layer order, one slot each
+    assert not is_layer.reshape(16, 4)[10:, 3].any()  # a short chunk's identity slot is its last
+    # each stage holds 29 layers (chunk k = r S + s is on stage s)
+    assert list(is_layer.sum(axis=(0, 2))) == [29, 29]
+    np.testing.assert_array_equal(layer_slots(8, 2, 2), np.arange(8))  # an even split is the identity
+    assert "6 identity slots: MoE-layer compute x1.103" in describe_split(58, 2, 8, 64)
+    assert "even split" in describe_split(8, 2, 2, 4)
 
 
 def test_compiled_ring_moves_activations_only(devices):

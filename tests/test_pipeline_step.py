@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from moejax.config import ConfigError, validate
+from moejax.model.transformer import moe_stack_layout
 from moejax.parallel.device_grid import MeshLayoutError, hybrid_device_grid
 from tests.test_train_step import one_step, small_config
 
@@ -21,9 +22,9 @@ slow_pipeline = pytest.mark.skipif(os.environ.get("MOEJAX_PIPELINE_STEP") != "1"
                                    reason="minutes of CPU: `make test-pipeline` (MOEJAX_PIPELINE_STEP=1) runs it")
 
 
-def pipeline_config(dispatch: str, micro: int):
+def pipeline_config(dispatch: str, micro: int, n_moe: int = 8):
     cfg = small_config()
-    cfg.model.n_layers, cfg.model.first_k_dense = 9, 1  # 8 MoE layers: 2 or 4 stages x 1 or 2 virtual stages
+    cfg.model.n_layers, cfg.model.first_k_dense = n_moe + 1, 1  # 8 MoE layers: 2 or 4 stages x 1 or 2 virtual stages
     cfg.model.mtp_depth, cfg.model.mtp_loss_weight = 1, 0.3
     cfg.moe.n_shared_experts = 1
     cfg.moe.dispatch = dispatch
@@ -31,19 +32,36 @@ def pipeline_config(dispatch: str, micro: int):
     return cfg
 
 
+def in_layer_order(cfg, path, value):
+    """A pipelined run's leaf in the one-device run's layout: the MoE stack's slots ([V, S C, ...] with virtual
+    stages or an uneven split) back to [L, ...] in layer order, every identity slot checked to be zero."""
+    layout = moe_stack_layout(cfg)
+    if "moe_layers" not in jax.tree_util.keystr(path):
+        return value
+    slots = np.reshape(value, (layout.n_slots, *np.shape(value)[len(layout.lead):]))
+    identity = np.setdiff1d(np.arange(layout.n_slots), layout.slots)
+    assert not np.any(slots[identity]), f"{jax.tree_util.keystr(path)}: an identity slot is not zero"
+    return slots[np.asarray(layout.slots)]
+
+
 @slow_pipeline
-@pytest.mark.parametrize("stages,virtual,micro,axes,dispatch", [
-    (2, 1, 2, {"data": 2, "expert": 2}, "capacity"),
-    (2, 2, 4, {"expert": 2, "tensor": 2}, "capacity"),
-    (4, 1, 4, {"expert": 2}, "allgather"),
-    (4, 2, 4, {"expert": 2}, "capacity"),
-])
-def test_pipelined_step_equals_one_device(devices, stages, virtual, micro, axes, dispatch):
-    tokens = np.random.default_rng(100 * stages + 10 * virtual + micro).integers(0, 259, size=(8, 17), dtype=np.int32)
-    single = pipeline_config(dispatch, micro)
+@pytest.mark.parametrize("stages,virtual,micro,n_moe,axes,dispatch", [
+    (2, 1, 2, 8, {"data": 2, "expert": 2}, "capacity"),
+    (2, 2, 4, 8, {"expert": 2, "tensor": 2}, "capacity"),
+    (4, 1, 4, 8, {"expert": 2}, "allgather"),
+    (4, 2, 4, 8, {"expert": 2}, "capacity"),
+    # uneven splits: 7 layers in 2 x 3 chunks of 2 slots (5 identity slots), 6 layers in 4 chunks of 2 (2)
+    (2, 3, 4, 7, {"expert": 2, "tensor": 2}, "capacity"),
+    (4, 1, 4, 6, {"expert": 2}, "capacity"),
+], ids=["pp2-data2xexpert2", "pp2xvp2-expert2xtensor2", "pp4-allgather", "pp4xvp2", "pp2xvp3-7-layers",
+        "pp4-6-layers"])
+def test_pipelined_step_equals_one_device(devices, stages, virtual, micro, n_moe, axes, dispatch):
+    tokens = np.random.default_rng(100 * stages + 10 * virtual + micro + n_moe).integers(0, 259, size=(8, 17),
+                                                                                         dtype=np.int32)
+    single = pipeline_config(dispatch, micro, n_moe)
     single.mesh.data = 1
     params_1, state_1, metrics_1 = one_step(single, devices[:1], tokens)
-    piped = pipeline_config(dispatch, micro)
+    piped = pipeline_config(dispatch, micro, n_moe)
     piped.mesh.stage, piped.mesh.virtual_stages, piped.mesh.data = stages, virtual, 1
     for axis, size in axes.items():
         piped.mesh[axis] = size
@@ -52,20 +70,22 @@ def test_pipelined_step_equals_one_device(devices, stages, virtual, micro, axes,
     for key in ("loss", "total_loss", "mtp_loss", "grad_norm", "aux_loss", "seq_aux_loss"):
         np.testing.assert_allclose(metrics_p[key], metrics_1[key], rtol=2e-5, err_msg=key)
     np.testing.assert_array_equal(metrics_p["tokens_per_expert"], metrics_1["tokens_per_expert"])
-    assert np.asarray(metrics_1["tokens_per_expert"]).sum() == 9 * 8 * 16 * 2  # 8 MoE layers + MTP, tokens x k
+    assert np.asarray(metrics_1["tokens_per_expert"]).sum() == (n_moe + 1) * 8 * 16 * 2  # MoE layers + MTP, T x k
     flat_1 = dict(jax.tree_util.tree_leaves_with_path(params_1))
     for path, p in jax.tree_util.tree_leaves_with_path(params_p):
-        want = flat_1[path]  # virtual stages store the MoE stack as [V, L / V, ...]: same element order
-        np.testing.assert_allclose(np.reshape(p, want.shape), want, rtol=1e-5, atol=1e-6,
+        want = flat_1[path]
+        np.testing.assert_allclose(in_layer_order(piped, path, p).reshape(want.shape), want, rtol=1e-5, atol=1e-6,
                                    err_msg=jax.tree_util.keystr(path))
+    bias_path = ("moe_layers", "ffn", "router", "bias_E")
     bias_1 = state_1["moe_layers"]["ffn"]["router"]["bias_E"]
-    np.testing.assert_array_equal(np.reshape(state_p["moe_layers"]["ffn"]["router"]["bias_E"], bias_1.shape), bias_1)
+    bias_p = in_layer_order(piped, [jax.tree_util.DictKey(k) for k in bias_path],
+                            state_p["moe_layers"]["ffn"]["router"]["bias_E"])
+    np.testing.assert_array_equal(bias_p, bias_1)
     assert np.abs(bias_1).max() > 0
 
 
 @pytest.mark.parametrize("change,message", [
-    ({"mesh.stage": 3}, "chunks do not split the 8 MoE layers"),
-    ({"mesh.stage": 2, "mesh.virtual_stages": 3}, "chunks do not split the 8 MoE layers"),
+    ({"mesh.stage": 4, "mesh.virtual_stages": 3}, "12 chunks are more than the 8 MoE layers"),
     ({"mesh.stage": 4, "train.micro_batches": 2}, "train.micro_batches=2 is fewer than mesh.stage=4"),
     ({"mesh.virtual_stages": 2}, "needs pipeline stages"),
     ({"mesh.stage": -1, "mesh.data": 1}, "set the pipeline stage count explicitly"),
@@ -111,7 +131,10 @@ def test_stages_take_whole_domains_or_pieces_that_hold_expert_groups():
     # [V, L / V, ...] -> [L, ...]: the MoE stack's stacking changes with the virtual stages
     (5, ["--config.mesh.stage=2", "--config.mesh.virtual_stages=2"], ["--config.mesh.stage=1"]),
     (5, ["--config.mesh.stage=1"], ["--config.mesh.stage=2", "--config.mesh.virtual_stages=2"]),
-], ids=["pp2-to-pp1", "pp2vp2-to-pp1", "pp1-to-pp2vp2"])
+    # 3 MoE layers on 2 stages: 2 chunks of 2 slots, one an identity slot, [4, ...] <-> [3, ...]
+    (4, ["--config.mesh.stage=2"], ["--config.mesh.stage=1"]),
+    (4, ["--config.mesh.stage=1"], ["--config.mesh.stage=2"]),
+], ids=["pp2-to-pp1", "pp2vp2-to-pp1", "pp1-to-pp2vp2", "pp2-uneven-to-pp1", "pp1-to-pp2-uneven"])
 def test_checkpoint_restores_onto_another_stage_count(tmp_path, n_layers, saved, resumed):
     """A run saves at step 10 and goes on to 20; resumed from step 10 on another stage / virtual-stage count (the
     same 2 micro-batches, the same 8 devices) it redoes steps 11-20 with the losses of the run that did not

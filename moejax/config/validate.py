@@ -148,8 +148,9 @@ def validate(cfg, n_devices: int) -> dict[str, int]:
 
 
 def _validate_pipeline(cfg, sizes: dict[str, int], n_moe_layers: int):
-    """Pipeline stages split the MoE layers into stage x virtual-stage chunks of equal size (the dense layers and
-    embedding run before the pipeline, MTP and the head after it) and need a micro-batch per stage at least."""
+    """Pipeline stages split the MoE layers into stage x virtual-stage chunks of ceil(L / chunks) layer slots, each
+    holding one layer at least (the dense layers and embedding run before the pipeline, MTP and the head after it),
+    and need a micro-batch per stage at least."""
     stages, virtual, micro = sizes["stage"], int(cfg.mesh.virtual_stages), int(cfg.train.micro_batches)
     if int(cfg.mesh.stage) == -1:
         raise ConfigError("mesh.stage=-1: set the pipeline stage count explicitly (the layer split depends on it)")
@@ -162,14 +163,12 @@ def _validate_pipeline(cfg, sizes: dict[str, int], n_moe_layers: int):
     if not n_moe_layers:
         raise ConfigError(f"mesh.stage={stages}: pipeline stages split the MoE layers and this model has none")
     chunks = stages * virtual
-    if n_moe_layers % chunks:
-        fits = [f"{s} x {v}" for s in range(2, n_moe_layers + 1) for v in range(1, n_moe_layers + 1)
-                if n_moe_layers % (s * v) == 0 and s * v <= n_moe_layers][:6]
+    if n_moe_layers < chunks:
         raise ConfigError(
-            f"mesh.stage={stages} x mesh.virtual_stages={virtual} = {chunks} chunks do not split the "
+            f"mesh.stage={stages} x mesh.virtual_stages={virtual} = {chunks} chunks are more than the "
             f"{n_moe_layers} MoE layers (model.n_layers={cfg.model.n_layers} - model.first_k_dense="
-            f"{cfg.model.first_k_dense}; the dense layers run before the pipeline, MTP after it) into equal "
-            f"chunks: use stages x virtual stages dividing {n_moe_layers} ({', '.join(fits) or 'none'})")
+            f"{cfg.model.first_k_dense}; the dense layers run before the pipeline, MTP after it): every chunk needs "
+            f"a layer; use stages x virtual stages <= {n_moe_layers}")
     if cfg.moe.dispatch == "dropless":
         raise ConfigError(
             f"mesh.stage={stages} with moe.dispatch='dropless': dropless dispatch does not run inside pipeline stages "

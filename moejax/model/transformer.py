@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from flax import nnx
 
@@ -25,7 +26,8 @@ from moejax.model.layers import LAYERS_AXIS_METADATA, MLP, Embed, RMSNorm, dtype
 from moejax.model.moe import MoE, MoEStats, combine_micro_stats
 from moejax.model.rope import segment_positions
 from moejax.parallel.mesh import constrain, current_mesh, inside_stage
-from moejax.parallel.pipeline import circular_pipeline, merge_micro_batches, micro_batches, to_chunks
+from moejax.parallel.pipeline import (circular_pipeline, layer_slots, merge_micro_batches, micro_batches,
+                                      slot_is_layer, to_chunks)
 
 # The pipelined MoE stack's layer dim is split over the `stage` mesh axis; with virtual stages it is stored as
 # [virtual_stages, layers / virtual_stages] (repeat r, layer k = layer r * L / V + k), so each stage's chunks are a
@@ -97,20 +99,42 @@ def _stacked_blocks(cfg, n: int, *, moe: bool, rngs: nnx.Rngs, in_pipeline: bool
     return create(rngs)
 
 
-def _split_repeats(blocks, n_repeats: int):
-    """Stacked [L, ...] variables -> [V, L / V, ...] with a leading 'repeat' name (same element order)."""
+class StackLayout(NamedTuple):
+    """How the MoE stack's variables are stored: leading dims `lead` ([L], or [V, S C] for a pipelined model with
+    virtual stages or an uneven split) over `n_slots` = prod(lead) slots, layer l in slot `slots[l]` (layer order;
+    the other slots are an uneven split's identity slots, zeros)."""
+
+    lead: tuple[int, ...]
+    slots: tuple[int, ...]  # [L] (a tuple: the model keeps it as a static attribute)
+
+    @property
+    def n_slots(self) -> int:
+        return int(np.prod(self.lead))
+
+
+def moe_stack_layout(cfg) -> StackLayout:
+    """The MoE stack's storage for this config: [L] without stages and for an even split without virtual stages (the
+    stage count alone changes no shape); [V, S C] (padded chunks, parallel/pipeline.py's layer_slots) otherwise."""
+    n_moe = int(cfg.model.n_layers) - int(cfg.model.first_k_dense)
+    stages, virtual = int(cfg.mesh.get("stage", 1)), int(cfg.mesh.get("virtual_stages", 1))
+    if stages <= 1 or n_moe == 0:
+        return StackLayout((n_moe,), tuple(range(n_moe)))
+    slots = tuple(int(i) for i in layer_slots(n_moe, stages, virtual))
+    n_slots = slot_is_layer(n_moe, stages, virtual).size
+    lead = (n_slots,) if virtual == 1 else (virtual, n_slots // virtual)
+    return StackLayout(lead, slots)
+
+
+def _to_slots(blocks, layout: StackLayout):
+    """Stacked [L, ...] variables -> layout.lead + [...]: layer l at slot layout.slots[l], zeros in the identity
+    slots, a leading 'repeat' name with virtual stages (same layer order)."""
     for _, var in nnx.iter_graph(blocks):
         if isinstance(var, nnx.Variable):
             value = var.get_value()
-            var.set_value(value.reshape(n_repeats, value.shape[0] // n_repeats, *value.shape[1:]))
-            var.set_metadata(logical_axes=("repeat", *var.get_metadata()["logical_axes"]))
-
-
-def moe_stack_repeats(cfg) -> int:
-    """How the MoE stack is stored: V = mesh.virtual_stages for a pipelined model with virtual stages ([V, L / V,
-    ...]), else 1 ([L, ...]); the layer order is the same in both."""
-    stages, virtual = int(cfg.mesh.get("stage", 1)), int(cfg.mesh.get("virtual_stages", 1))
-    return virtual if stages > 1 and int(cfg.model.n_layers) > int(cfg.model.first_k_dense) else 1
+            padded = jnp.zeros((layout.n_slots, *value.shape[1:]), value.dtype).at[np.asarray(layout.slots)].set(value)
+            var.set_value(padded.reshape(*layout.lead, *value.shape[1:]))
+            if len(layout.lead) > 1:
+                var.set_metadata(logical_axes=("repeat", *var.get_metadata()["logical_axes"]))
 
 
 def _as_chunks(state, n_stages: int, n_repeats: int):
@@ -144,16 +168,19 @@ def _remat(fn, remat: str):
     return fn if remat == "none" else nnx.remat(fn, policy=_REMAT_POLICIES[remat])
 
 
-def _run_stack(blocks, x_BxLxD, positions_BxL, segment_ids_BxL, remat: str):
+def _run_stack(blocks, x_BxLxD, positions_BxL, segment_ids_BxL, remat: str, is_layer_L=None):
+    """The stacked blocks in order. is_layer_L: [L] bool or None; a False slot (an uneven pipeline split's
+    identity slot) passes its input through (its block still runs: stages compute in lockstep)."""
     body = _remat(lambda block, x, positions, segments: block(x, positions, segments), remat)
 
-    @nnx.scan(in_axes=(nnx.Carry, 0, None, None), out_axes=(nnx.Carry, 0), transform_metadata=LAYERS_AXIS_METADATA)
-    def step(x, block, positions, segments):
+    @nnx.scan(in_axes=(nnx.Carry, 0, None if is_layer_L is None else 0, None, None), out_axes=(nnx.Carry, 0),
+              transform_metadata=LAYERS_AXIS_METADATA)
+    def step(x, block, is_layer, positions, segments):
         x = checkpoint_name(x, LAYER_INPUT)  # what a pipeline tick's remat policy keeps (parallel/pipeline.py)
-        x, stats = body(block, x, positions, segments)
-        return x, stats
+        y, stats = body(block, x, positions, segments)
+        return (y if is_layer is None else jnp.where(is_layer, y, x)), stats
 
-    return step(x_BxLxD, blocks, positions_BxL, segment_ids_BxL)
+    return step(x_BxLxD, blocks, is_layer_L, positions_BxL, segment_ids_BxL)
 
 
 class MTPModule(nnx.Module):
@@ -213,8 +240,9 @@ class Transformer(nnx.Module):
         self.dense_layers = _stacked_blocks(cfg, self.n_dense, moe=False, rngs=rngs) if self.n_dense else None
         self.moe_layers = (_stacked_blocks(cfg, self.n_moe, moe=True, rngs=rngs, in_pipeline=self.pipelined)
                            if self.n_moe else None)
-        if moe_stack_repeats(cfg) > 1:
-            _split_repeats(self.moe_layers, self.virtual_stages)
+        self.stack_layout = moe_stack_layout(cfg)
+        if self.pipelined and self.stack_layout.lead != (self.n_moe,):  # virtual stages or an uneven split
+            _to_slots(self.moe_layers, self.stack_layout)
         self.final_norm = RMSNorm(m.d_model, eps=m.norm_eps, param_dtype=pdt)
         self.head_DxV = param(rngs, (m.d_model, m.vocab_size), ("embed", "vocab"), std=m.init_std, dtype=pdt)
         self.mtp = nnx.List([MTPModule(cfg, rngs=rngs) for _ in range(m.mtp_depth)])
@@ -226,8 +254,10 @@ class Transformer(nnx.Module):
             return
         load = tokens_per_expert_LxE.astype(jnp.float32)
         step_LxE = rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
-        bias = self.moe_layers.ffn.router.bias_E
-        bias[...] = bias[...] + step_LxE[: self.n_moe].reshape(bias.shape)  # [V, L / V, E] with virtual stages
+        bias = self.moe_layers.ffn.router.bias_E  # stored in the stack's slots (moe_stack_layout)
+        step_SxE = jnp.zeros((self.stack_layout.n_slots, step_LxE.shape[-1]), step_LxE.dtype)
+        step_SxE = step_SxE.at[np.asarray(self.stack_layout.slots)].set(step_LxE[: self.n_moe])
+        bias[...] = bias[...] + step_SxE.reshape(bias.shape)
         for k, module in enumerate(self.mtp):
             mtp_bias = module.block.ffn.router.bias_E
             mtp_bias[...] = mtp_bias[...] + step_LxE[self.n_moe + k]
@@ -311,23 +341,29 @@ class Transformer(nnx.Module):
             side["segments"] = micro_batches(segment_ids_BxL, n_micro)
         graphdef, state = nnx.split(self.moe_layers)
         chunks = _as_chunks(state, self.stages, self.virtual_stages)
+        is_layer_VxSxC = slot_is_layer(self.n_moe, self.stages, self.virtual_stages)
+        uneven = not is_layer_VxSxC.all()
+        # An uneven split's identity slots ride along with the chunk they belong to (selected per tick like it).
+        params_VxSxC = (chunks, jnp.asarray(is_layer_VxSxC) if uneven else None)
 
-        def stage_fn(chunk_state, x, side_m):
+        def stage_fn(chunk, x, side_m):
+            chunk_state, is_layer_C = chunk
             return _run_stack(nnx.merge(graphdef, chunk_state), x, side_m["positions"], side_m.get("segments"),
-                              self.remat)
+                              self.remat, is_layer_C)
 
         # Micro-batches keep the rows' split (each device's share of every micro-batch) on the way in and out, so
         # the backward's per-tick slices of their cotangents need no re-layout either.
         x_MxBxLxD = constrain(micro_batches(x_BxLxD, n_micro), (None, *ACT_BxLxD))
         one = jax.tree.map(lambda a: a[0], (x_MxBxLxD, side))
-        chunk_like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[2:], a.dtype), chunks)
+        chunk_like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[2:], a.dtype), params_VxSxC)
         stats_like = jax.eval_shape(stage_fn, chunk_like, *one)[1]
-        y_MxBxLxD, stats_VxSxMxC = circular_pipeline(stage_fn, chunks, x_MxBxLxD, mesh=mesh, axis="stage",
+        y_MxBxLxD, stats_VxSxMxC = circular_pipeline(stage_fn, params_VxSxC, x_MxBxLxD, mesh=mesh, axis="stage",
                                                      n_repeats=self.virtual_stages, side_MxB=side, aux_like=stats_like,
                                                      tick_policy=_tick_policy(self.remat) if self.virtual_stages > 1 else None)
         y_MxBxLxD = constrain(y_MxBxLxD, (None, *ACT_BxLxD))
-        # [V, S, M, C, ...] -> [M, L, ...] in layer order
-        stats_MxL = jax.tree.map(lambda a: jnp.moveaxis(a, 2, 0).reshape(n_micro, -1, *a.shape[4:]), stats_VxSxMxC)
+        # [V, S, M, C, ...] -> [M, slots, ...] -> [M, L, ...] in layer order (an uneven split's identity slots left out)
+        stats_MxL = jax.tree.map(lambda a: jnp.moveaxis(a, 2, 0).reshape(n_micro, -1, *a.shape[4:])[
+            :, np.asarray(self.stack_layout.slots)], stats_VxSxMxC)
 
         def mtp_pass(mtp, embed, h, tokens, positions, segments):
             mtp_h, mtp_stats = self._mtp(mtp, embed, h, tokens, positions, segments)

@@ -3,13 +3,18 @@ of the schedule has a leading stage dim split over the stage axis, each `lax.sca
 under `jax.vmap(spmd_axis_name=axis)` (each device computes its own stage), and `jnp.roll` along the stage dim
 hands activations to the next stage (XLA: a collective-permute).
 
-Layers are split into S stages x V virtual stages (repeats) of `per_chunk` layers each, in the order the layer
-stack already has: layer l = (r * S + s) * per_chunk + j lives on stage s, repeat r, so stage s holds V chunks
-and a micro-batch goes round the ring of stages V times (MaxText's circular pipeline; Megatron's interleaved
+Layers are split into S stages x V virtual stages (repeats): chunk k = r * S + s (stage s, repeat r) holds the
+next layers in layer order, so stage s holds V chunks and a micro-batch goes round the ring of stages V times (MaxText's circular pipeline; Megatron's interleaved
 schedule places chunks the same way). With M micro-batches, stage s works at tick t on item i = t - s: repeat
 i // M, micro-batch i % M; the schedule has M x V + S - 1 ticks, of which each stage idles S - 1 (the bubble,
 (S - 1) / (M x V) of the useful ticks). The last stage's output of repeat r < V - 1 arrives at stage 0 before
 stage 0 needs it (M >= S) and waits in a buffer of M slots until its turn.
+
+Uneven splits (L not a multiple of S x V, e.g. DeepSeek-V3's 58 MoE layers on the record's PP2 x VP8): every chunk has
+C = ceil(L / (S V)) layer slots, the first L - (C - 1) S V chunks hold C layers and the others C - 1, followed by one
+identity slot (`layer_slots`). Every stage runs C slots per tick in lockstep, identity slots included: the cost of
+an uneven split is the S V C / L of MoE-layer compute a padded chunk takes (Megatron's uneven stages idle the same
+time on the shorter stages).
 
 Every other mesh axis stays automatic inside (GSPMD splits what the stage function does over data, fsdp, expert
 and tensor), and a `jax.shard_map` over the whole mesh inside the stage function (the MoE dispatch) is batched by
@@ -26,6 +31,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -42,16 +48,38 @@ def bubble_fraction(n_stages: int, n_micro: int, n_repeats: int) -> float:
 
 
 def check_schedule(n_layers: int, n_stages: int, n_repeats: int, n_micro: int) -> int:
-    """Layers per chunk; ValueError (one line, what to change) when the split or the micro-batch count cannot
-    run the schedule."""
+    """Layer slots per chunk (C = ceil(L / (S V))); ValueError (one line, what to change) when the layers or the
+    micro-batch count cannot run the schedule."""
     chunks = n_stages * n_repeats
-    if n_layers % chunks:
-        raise ValueError(f"{n_layers} layers do not split into {n_stages} stages x {n_repeats} virtual stages "
-                         f"({chunks} equal chunks): choose stages x virtual stages dividing {n_layers}")
+    if n_layers < chunks:
+        raise ValueError(f"{n_layers} layers are fewer than {n_stages} stages x {n_repeats} virtual stages = {chunks} "
+                         f"chunks: every chunk needs a layer; choose stages x virtual stages <= {n_layers}")
     if n_micro < n_stages:
         raise ValueError(f"{n_micro} micro-batches are fewer than {n_stages} pipeline stages: the circular schedule "
                          f"needs train.micro_batches >= stages")
-    return n_layers // chunks
+    return chunk_slots(n_layers, n_stages, n_repeats)
+
+
+def chunk_slots(n_layers: int, n_stages: int, n_repeats: int) -> int:
+    """C: layer slots per chunk, ceil(L / (S V)) (each stage runs C layers per tick)."""
+    return -(-n_layers // (n_stages * n_repeats))
+
+
+def layer_slots(n_layers: int, n_stages: int, n_repeats: int) -> np.ndarray:
+    """[L] int: the slot of each layer in the padded chunk order [V, S, C] flattened (slot (r S + s) C + j). The
+    first L - (C - 1) S V chunks hold C layers, the rest C - 1 and an identity slot last; an even split is arange(L)."""
+    chunks = n_stages * n_repeats
+    per = chunk_slots(n_layers, n_stages, n_repeats)
+    full = n_layers - (per - 1) * chunks  # chunks with C layers
+    return np.concatenate([k * per + np.arange(per if k < full else per - 1) for k in range(chunks)]).astype(np.int32)
+
+
+def slot_is_layer(n_layers: int, n_stages: int, n_repeats: int) -> np.ndarray:
+    """[V, S, C] bool: which slots hold a layer (False: an identity slot of an uneven split)."""
+    per = chunk_slots(n_layers, n_stages, n_repeats)
+    mask = np.zeros(n_repeats * n_stages * per, bool)
+    mask[layer_slots(n_layers, n_stages, n_repeats)] = True
+    return mask.reshape(n_repeats, n_stages, per)
 
 
 def to_chunks(tree, n_stages: int, n_repeats: int):
@@ -143,6 +171,16 @@ def circular_pipeline(stage_fn: Callable, params_VxSxC, x_MxB, *, mesh, axis: st
         tick = jax.checkpoint(tick, policy=tick_policy, prevent_cse=False)
     (_, _, out_MxB, aux_VxS), _ = lax.scan(tick, init, ticks)
     return out_MxB, (aux_VxS if with_aux else None)
+
+
+def describe_split(n_layers: int, n_stages: int, n_repeats: int, n_micro: int) -> str:
+    """One line for the run's banner: the split, its identity slots' extra compute, the bubble."""
+    per = chunk_slots(n_layers, n_stages, n_repeats)
+    slots = per * n_stages * n_repeats
+    pad = (f"{slots - n_layers} identity slots: MoE-layer compute x{slots / n_layers:.3f}" if slots > n_layers
+           else "even split")
+    return (f"pipeline {n_stages} stages x {n_repeats} virtual: {n_layers} MoE layers in {n_stages * n_repeats} "
+            f"chunks of {per} slots ({pad}), bubble {bubble_fraction(n_stages, n_micro, n_repeats):.1%}")
 
 
 def micro_batches(x_BxN, n: int):

@@ -10,11 +10,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from moejax.model.transformer import Transformer, moe_stack_repeats
+from moejax.model.transformer import Transformer, moe_stack_layout
 from moejax.parallel.mesh import logical_to_spec
 
 
@@ -75,29 +76,40 @@ def init_state(cfg, tx, mesh: Mesh, seed: int) -> tuple[TrainState, object]:
 
 
 def stacked_like(saved_cfg: dict, cfg):
-    """The config `cfg` as the run that wrote a checkpoint stored its MoE stack, or None when the shapes agree.
+    """The config `cfg` as the run that wrote a checkpoint stored its MoE stack, or None when the storage agrees.
 
-    Pipeline stages with virtual stages store the MoE stack as [V, L / V, ...] (model/transformer.py), any other
-    layout as [L, ...]; both hold the layers in layer order, so a checkpoint of one restores onto the other by a
-    reshape (restack). The stage count alone changes no shape."""
+    Pipeline stages with virtual stages or an uneven split store the MoE stack in padded chunk slots [V, S C, ...]
+    (model/transformer.py's moe_stack_layout), any other layout as [L, ...]; a checkpoint of one restores onto the
+    other by moving each layer to its slot (restack). The stage count of an even split alone changes no shape."""
     saved_mesh = saved_cfg.get("mesh", {})
     like = cfg.copy_and_resolve_references()
     with like.unlocked():
         like.mesh.stage = int(saved_mesh.get("stage", 1))
         like.mesh.virtual_stages = int(saved_mesh.get("virtual_stages", 1))
-    return None if moe_stack_repeats(like) == moe_stack_repeats(cfg) else like
+    return None if moe_stack_layout(like) == moe_stack_layout(cfg) else like
 
 
-def restack(state: TrainState, abstract, shardings, mesh: Mesh) -> TrainState:
-    """A state restored in another stacking of the MoE stack ([V', L / V', ...] or [L, ...]) in this run's shapes
-    and shardings (the element order is the layer order in both)."""
-    targets, treedef = jax.tree.flatten(abstract)  # this run's leaves and metadata (logical axes), same key order
+def restack(state: TrainState, abstract, shardings, mesh: Mesh, saved_like, cfg) -> TrainState:
+    """A state restored in another storage of the MoE stack (stacked_like's `saved_like`) in this run's (`cfg`)
+    shapes and shardings:
+    every leaf under the MoE stack (parameters, router bias, optimizer moments) has each layer moved from its saved
+    slot to its slot here, identity slots zero; the other leaves keep their shapes."""
+    saved, wanted = moe_stack_layout(saved_like), moe_stack_layout(cfg)
+    paths_targets, treedef = jax.tree.flatten_with_path(abstract)  # this run's leaves, same key order
 
-    def reshape(leaves):
-        return treedef.unflatten([a.reshape(t.shape) for a, t in zip(leaves, targets, strict=True)])
+    def move(a, path, target):
+        if "moe_layers" not in jax.tree_util.keystr(path):
+            return a.reshape(target.shape)
+        rest = a.shape[len(saved.lead):]
+        layers_LxR = a.reshape(saved.n_slots, *rest)[np.asarray(saved.slots)]
+        slots = jnp.zeros((wanted.n_slots, *rest), a.dtype).at[np.asarray(wanted.slots)].set(layers_LxR)
+        return slots.reshape(target.shape)
+
+    def restacked(leaves):
+        return treedef.unflatten([move(a, path, t) for a, (path, t) in zip(leaves, paths_targets, strict=True)])
 
     with jax.set_mesh(mesh):
-        return jax.jit(reshape, out_shardings=shardings)(jax.tree.leaves(state))
+        return jax.jit(restacked, out_shardings=shardings)(jax.tree.leaves(state))
 
 
 def restore_shardings(abstract, mesh: Mesh):

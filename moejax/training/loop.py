@@ -23,6 +23,7 @@ from moejax.data.pipeline import BatchIterator, eval_batches, train_batches
 from moejax.data.sources import data_fingerprint, open_sources
 from moejax.model.accounting import flops_per_token, param_counts
 from moejax.parallel.mesh import batch_sharding, mesh_from_config
+from moejax.parallel.pipeline import describe_split
 from moejax.program.optim import make_optimizer
 from moejax.program.state import (abstract_state, init_state, model_graphdef, restack, restore_shardings,
                                   stacked_like, state_shardings)
@@ -196,10 +197,10 @@ def _initial_state(cfg, tx, mesh, checkpointer: Checkpointer, start: int, finger
         saved_like = stacked_like(checkpointer.saved_config(start), cfg)
         if saved_like is None:
             state, meta = checkpointer.restore(start, abstract, shardings)
-        else:  # saved with another virtual-stage count: its MoE stack in that stacking, then reshaped to ours
+        else:  # saved with another storage of the MoE stack (virtual stages, uneven split): moved into ours
             saved_abstract = abstract_state(saved_like, tx)
             state, meta = checkpointer.restore(start, saved_abstract, restore_shardings(saved_abstract, mesh))
-            state = restack(state, abstract, shardings, mesh)
+            state = restack(state, abstract, shardings, mesh, saved_like, cfg)
         if meta["data"]["fingerprint"] != fingerprint:
             raise CheckpointError(f"the data changed since checkpoint {start} was saved ({meta['data']['fingerprint']}"
                                   f" then, {fingerprint} now); a resumed run must read the same data")
@@ -221,9 +222,12 @@ def _compile(cfg, graphdef, tx, mesh, shardings, state, example, *, with_eval: b
 
 def _banner(cfg, mesh, fpt: float, peak: float, peak_source: str, compile_s: float, start: int) -> str:
     counts = param_counts(cfg)
+    n_moe, stages = int(cfg.model.n_layers) - int(cfg.model.first_k_dense), int(mesh.shape.get("stage", 1))
+    piped = (f" | {describe_split(n_moe, stages, int(cfg.mesh.virtual_stages), int(cfg.train.micro_batches))}"
+             if stages > 1 and n_moe else "")
     return (f"mesh {dict(mesh.shape)} over {jax.device_count()} devices | params {counts['total'] / 1e6:.2f}M "
             f"total, {counts['active'] / 1e6:.2f}M active | {fpt / 1e6:.3g} MFLOP/token | peak "
-            f"{peak / 1e12:.3g} TFLOP/s/dev ({peak_source}) | compiled in {compile_s:.1f}s"
+            f"{peak / 1e12:.3g} TFLOP/s/dev ({peak_source}){piped} | compiled in {compile_s:.1f}s"
             + (f" | resumed at step {start}" if start else ""))
 
 
