@@ -31,12 +31,13 @@ def staged_config():
 def test_searched_stage_counts_split_the_moe_layers_and_the_domains():
     cfg = runpy.run_path(str(ROOT / "configs" / "deepseek_v3_671b.py"))["get_config"]()
     options = stage_options(cfg, 256, 64)  # 4 domains of 64 (NVL72 racks at 256 GPUs)
-    # 58 MoE layers = 2 x 29: PP2 (whole racks) with VP 1 or 29 (one layer per chunk); VP8 does not split them
-    assert (1, 1) in options and (2, 1) in options and (2, 29) in options and (2, 8) not in options
-    assert all(58 % (s * v) == 0 for s, v in options)
+    # 58 MoE layers: PP2 (whole racks) with VP 1-8, the record's VP8 (16 chunks of 4 slots, 6 identity slots) among
+    # them, and VP 29 (one layer per chunk); stage counts that do not split the 4 racks are left out
+    assert {(1, 1), (2, 1), (2, 8), (2, 29), (4, 1)} <= set(options)
+    assert (3, 1) not in options and all(s * v <= 58 for s, v in options)
     small = staged_config()  # 8 MoE layers on 16 devices in 2 domains of 8: 4 stages are half domains
-    assert {(2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (8, 1)} <= set(stage_options(small, 16, 8))
-    assert (16, 1) not in stage_options(small, 16, 8)  # 16 does not divide 8 layers
+    assert {(2, 1), (2, 2), (2, 3), (2, 4), (4, 1), (4, 2), (8, 1)} <= set(stage_options(small, 16, 8))
+    assert (16, 1) not in stage_options(small, 16, 8) and (4, 3) not in stage_options(small, 16, 8)  # > 8 chunks
 
 
 def test_a_stage_holds_its_share_of_the_moe_stack_and_all_the_rest():
@@ -84,6 +85,9 @@ def test_bubble_and_the_compute_every_stage_repeats_or_splits():
     # the MoE stack stretched by the bubble, the MTP blocks on every stage alike (x S), the rest split like the rows
     assert 0 < p < 1 and 0 < mtp < 1 - p
     assert factor == pytest.approx(p * (1 + 3 / 16) + mtp * 4 + (1 - p - mtp))
+    # an uneven split computes its identity slots: 8 layers in 2 x 3 chunks of 2 slots is 12 / 8 of the MoE stack
+    bubble, factor = stage_terms(cfg, Layout(1, 1, 2, 1, "full", 2, "capacity", 2, 3), 16)
+    assert factor == pytest.approx(p * 12 / 8 * (1 + bubble) + mtp * 2 + (1 - p - mtp))
 
 
 @pytest.mark.parametrize("stages,domain,nic_share", [(2, 8, 1.0), (4, 8, 0.5), (4, 16, 0.0)])

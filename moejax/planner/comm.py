@@ -17,7 +17,7 @@ The rules, per step (n_micro passes of forward + backward; layers' collectives r
   tensor           a weight whose input dim is split over tensor (row-parallel) all-reduces its output in the
                    forward (and its recompute); one whose output dim is split (column-parallel) all-reduces
                    its input gradient in the backward. Rows: the device's tokens, or E*C for expert weights
-  pipeline stages  (layout.stage > 1, parallel/pipeline.py) each of the M V + S - 1 ticks runs one chunk of L / (S V)
+  pipeline stages  (layout.stage > 1, parallel/pipeline.py) each of the M V + S - 1 ticks runs one chunk of ceil(L / (S V))
                    MoE layers per stage and hands one micro-batch's activations to the next stage (collective-
                    permute over `stage`, forward and backward); the MoE stack's collectives above (gathers and
                    gradient sums included) run per tick for a chunk; the rest of the model runs in one pass on the
@@ -40,7 +40,7 @@ import jax.numpy as jnp
 
 from moejax.parallel.dispatch import capacity_per_expert
 from moejax.parallel.mesh import BATCH_AXES
-from moejax.parallel.pipeline import schedule_ticks
+from moejax.parallel.pipeline import chunk_slots, schedule_ticks
 from moejax.planner.layout import Layout, in_domain_factors, layout_config
 from moejax.planner.state_shapes import state_leaves
 
@@ -95,7 +95,7 @@ def step_traffic(cfg, layout: Layout, seq_len: int | None = None) -> list[Traffi
     n_moe = n_decoder_moe + int(m.get("mtp_depth", 0))
     piped = layout.stage > 1
     ticks = schedule_ticks(layout.stage, n_micro, layout.virtual) if piped else 0
-    per_chunk = n_decoder_moe / (layout.stage * layout.virtual) if piped else 0  # fractional: an uneven candidate
+    per_chunk = chunk_slots(n_decoder_moe, layout.stage, layout.virtual) if piped else 0  # identity slots included
     # MoE layer executions per device per step: a stage runs one chunk per tick (idle ticks compute too).
     moe_runs = round(per_chunk * ticks + (n_moe - n_decoder_moe) * n_micro) if piped else n_moe * n_micro
     out: list[Traffic] = []

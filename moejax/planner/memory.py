@@ -12,9 +12,10 @@
   layer_live          the layer being differentiated: its weights gathered over fsdp (compute dtype) and
                       their gradients before the fsdp reduction (param dtype)
 
-Pipeline stages (layout.stage > 1), as moejax/parallel/pipeline.py runs them: a stage holds its L / S MoE layers
-(params, optimizer state, gradients split over `stage`) and every leaf outside the MoE stack whole; the schedule's
-scan keeps each tick's residuals until the backward, i.e. C = L / (S V) layers' residuals for each of the
+Pipeline stages (layout.stage > 1), as moejax/parallel/pipeline.py runs them: a stage holds its V C MoE layer slots
+(params, optimizer state, gradients split over `stage`; an uneven split's identity slots are zeros of the same size)
+and every leaf outside the MoE stack whole; the schedule's scan keeps each tick's residuals until the backward, i.e.
+C = ceil(L / (S V)) layers' residuals for each of the
 M V + S - 1 ticks (all M micro-batches in flight at the end of the forward: GPipe's memory, not 1F1B's); the
 embedding, dense layers, MTP and loss run in one pass, on the stage's 1/S of the local rows (parallel/mesh.py's
 batch_axes; MTP's residuals are counted there too, though it runs on every stage's rows). `stage_copies`: the
@@ -28,7 +29,7 @@ from dataclasses import asdict, dataclass
 
 import jax.numpy as jnp
 
-from moejax.parallel.pipeline import schedule_ticks
+from moejax.parallel.pipeline import chunk_slots, schedule_ticks
 from moejax.planner.activations import activation_terms
 from moejax.planner.layout import Layout, layout_config
 from moejax.planner.state_shapes import state_leaves
@@ -101,7 +102,7 @@ def estimate_memory(cfg, layout: Layout, seq_len: int | None = None, platform: s
         n_micro = layout.n_micro(int(cfg.train.global_batch))
         n_pipelined = int(cfg.model.n_layers) - int(cfg.model.first_k_dense)
         outside = max(0, act.saved - n_pipelined * act.moe_layer)  # embedding, dense layers, MTP, loss
-        per_chunk = n_pipelined / (layout.stage * layout.virtual)  # fractional for a candidate that splits unevenly
+        per_chunk = chunk_slots(n_pipelined, layout.stage, layout.virtual)  # an uneven split's identity slots too
         # The parts outside the stages hold 1/S of the rows each (parallel/mesh.batch_axes).
         saved = (outside * n_micro // layout.stage
                  + int(act.moe_layer * per_chunk * schedule_ticks(layout.stage, n_micro, layout.virtual)))

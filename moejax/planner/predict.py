@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from moejax.config import REMAT_POLICIES, ConfigError, validate
 from moejax.model.accounting import (flops_per_token, fp8_macs_fraction, mtp_blocks_macs_fraction,
                                      pipelined_macs_fraction)
-from moejax.parallel.pipeline import bubble_fraction
+from moejax.parallel.pipeline import bubble_fraction, chunk_slots
 from moejax.parallel.topology import Topology
 from moejax.planner.comm import buffer_bytes_by_link, step_traffic, wire_bytes
 from moejax.planner.layout import Layout
@@ -118,13 +118,15 @@ def predict(cfg, topo: Topology, layout: Layout, *, efficiency: float, domain_si
 
 def stage_terms(cfg, layout: Layout, seq: int) -> tuple[float, float]:
     """(bubble, device FLOPs over model FLOPs / n) of the layout's pipeline stages: the pipelined share stretched by
-    the bubble, the MTP blocks computed by every stage alike, the rest (embedding, dense layers, heads, loss) split
+    the bubble and by an uneven split's identity slots (S V C / L), the MTP blocks computed by every stage alike, the rest (embedding, dense layers, heads, loss) split
     over the stages like the batch."""
     if layout.stage <= 1:
         return 0.0, 1.0
     bubble = bubble_fraction(layout.stage, layout.n_micro(int(cfg.train.global_batch)), layout.virtual)
     piped, mtp = pipelined_macs_fraction(cfg, seq), mtp_blocks_macs_fraction(cfg, seq)
-    return bubble, piped * (1 + bubble) + mtp * layout.stage + (1 - piped - mtp)
+    n_moe = int(cfg.model.n_layers) - int(cfg.model.first_k_dense)
+    padded = chunk_slots(n_moe, layout.stage, layout.virtual) * layout.stage * layout.virtual / n_moe  # identity slots
+    return bubble, piped * padded * (1 + bubble) + mtp * layout.stage + (1 - piped - mtp)
 
 
 def _divisors(n: int) -> list[int]:
@@ -132,18 +134,21 @@ def _divisors(n: int) -> list[int]:
 
 
 def stage_options(cfg, n_gpus: int, domain_size: int, max_virtual: int = 8) -> list[tuple[int, int]]:
-    """(stages, virtual stages) to search: stages that split the MoE layers and the job's NVLink domains (whole
-    domains per stage, or equal pieces of each), and for each, virtual-stage counts up to max_virtual (and the
-    largest, one layer per chunk) that split the layers further; (1, 1) always."""
+    """(stages, virtual stages) to search: stages that split the job's NVLink domains (whole domains per stage, or
+    equal pieces of each) with a MoE layer per stage at least, and for each, every virtual-stage count up to
+    max_virtual (uneven splits pay for their identity slots: stage_terms) and one layer per chunk when the stages
+    split the layers; (1, 1) always."""
     n_pipelined = int(cfg.model.n_layers) - int(cfg.model.first_k_dense)
     domains = max(1, n_gpus // domain_size) if domain_size else 1
     out = [(1, 1)]
     for stages in _divisors(n_gpus)[1:]:
-        if n_pipelined % stages or not (domains % stages == 0 or (stages % domains == 0
+        if stages > n_pipelined or not (domains % stages == 0 or (stages % domains == 0
                                                                  and domain_size % (stages // domains) == 0)):
             continue
-        chunks = n_pipelined // stages
-        out += [(stages, v) for v in _divisors(chunks) if v <= max_virtual or v == chunks]
+        virtual = [v for v in range(1, max_virtual + 1) if stages * v <= n_pipelined]
+        if n_pipelined % stages == 0 and n_pipelined // stages > max_virtual:
+            virtual.append(n_pipelined // stages)
+        out += [(stages, v) for v in virtual]
     return out
 
 
@@ -237,12 +242,12 @@ def assumptions(topo: Topology, efficiency: float, domain_size: int, cfg=None, *
         "(gradients and their clipped copy); no allocator fragmentation or NCCL buffers",
         "micro-batch below the per-device batch means gradient accumulation: run it with "
         "train.micro_batches = per-device batch / micro-batch (each pass re-gathers fsdp weights)",
-        "pipeline stages (stage > 1, circular schedule as moejax runs it): MoE-layer compute x (1 + bubble), bubble "
-        "(S - 1) / (M V); embedding, dense layers, heads and loss split over the stages with the batch (the rows "
+        "pipeline stages (stage > 1, circular schedule as moejax runs it): MoE-layer compute x S V C / L (an uneven "
+        "split's identity slots, C = ceil(L / (S V))) x (1 + bubble), bubble (S - 1) / (M V); embedding, dense layers, heads and loss split over the stages with the batch (the rows "
         "gathered over `stage` where the pipeline starts), MTP blocks computed on every stage; one micro-batch's "
         "activations per tick to the next stage and back (on the NICs when stages take whole NVLink domains), waited "
         "on; every tick's residuals kept until the backward (all M micro-batches: GPipe memory, not 1F1B's)",
-        "not modelled: 1F1B / zero-bubble schedules (moejax runs the circular one), uneven stage splits, "
+        "not modelled: 1F1B / zero-bubble schedules (moejax runs the circular one), "
         + ("FP8 GEMMs (model.fp8=none), " if cfg is None or cfg.model.get("fp8", "none") == "none" else
            "FP8 quantisation passes (amax, scale, cast: elementwise, memory-bound), ")
         + "communication/computation overlap inside the MoE layer "
