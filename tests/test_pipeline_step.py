@@ -24,6 +24,8 @@ slow_pipeline = pytest.mark.skipif(os.environ.get("MOEJAX_PIPELINE_STEP") != "1"
 
 def pipeline_config(dispatch: str, micro: int, n_moe: int = 8):
     cfg = small_config()
+    if dispatch == "dropless-overflow":
+        dispatch, cfg.moe.dropless_window = "dropless", 0.25
     cfg.model.n_layers, cfg.model.first_k_dense = n_moe + 1, 1  # 8 MoE layers: 2 or 4 stages x 1 or 2 virtual stages
     cfg.model.mtp_depth, cfg.model.mtp_loss_weight = 1, 0.3
     cfg.moe.n_shared_experts = 1
@@ -53,8 +55,12 @@ def in_layer_order(cfg, path, value):
     # uneven splits: 7 layers in 2 x 3 chunks of 2 slots (5 identity slots), 6 layers in 4 chunks of 2 (2)
     (2, 3, 4, 7, {"expert": 2, "tensor": 2}, "capacity"),
     (4, 1, 4, 6, {"expert": 2}, "capacity"),
+    # dropless inside the stages; dropless-overflow: a window of a quarter of the balanced load, so every layer runs
+    # overflow rounds (counted below)
+    (2, 2, 4, 8, {"expert": 2, "tensor": 2}, "dropless"),
+    (4, 1, 4, 8, {"expert": 2}, "dropless-overflow"),
 ], ids=["pp2-data2xexpert2", "pp2xvp2-expert2xtensor2", "pp4-allgather", "pp4xvp2", "pp2xvp3-7-layers",
-        "pp4-6-layers"])
+        "pp4-6-layers", "pp2xvp2-dropless", "pp4-dropless-overflow"])
 def test_pipelined_step_equals_one_device(devices, stages, virtual, micro, n_moe, axes, dispatch):
     tokens = np.random.default_rng(100 * stages + 10 * virtual + micro + n_moe).integers(0, 259, size=(8, 17),
                                                                                          dtype=np.int32)
@@ -69,6 +75,10 @@ def test_pipelined_step_equals_one_device(devices, stages, virtual, micro, n_moe
 
     for key in ("loss", "total_loss", "mtp_loss", "grad_norm", "aux_loss", "seq_aux_loss"):
         np.testing.assert_allclose(metrics_p[key], metrics_1[key], rtol=2e-5, err_msg=key)
+    if dispatch.startswith("dropless"):
+        assert metrics_p["dropped_fraction"] == 0 == metrics_1["dropped_fraction"]
+    if dispatch == "dropless-overflow":
+        assert metrics_p["dropless_rounds"] > 1  # the overflow rounds ran inside the stages
     np.testing.assert_array_equal(metrics_p["tokens_per_expert"], metrics_1["tokens_per_expert"])
     assert np.asarray(metrics_1["tokens_per_expert"]).sum() == (n_moe + 1) * 8 * 16 * 2  # MoE layers + MTP, T x k
     flat_1 = dict(jax.tree_util.tree_leaves_with_path(params_1))
@@ -89,7 +99,6 @@ def test_pipelined_step_equals_one_device(devices, stages, virtual, micro, n_moe
     ({"mesh.stage": 4, "train.micro_batches": 2}, "train.micro_batches=2 is fewer than mesh.stage=4"),
     ({"mesh.virtual_stages": 2}, "needs pipeline stages"),
     ({"mesh.stage": -1, "mesh.data": 1}, "set the pipeline stage count explicitly"),
-    ({"mesh.stage": 2, "moe.dispatch": "dropless"}, "dropless dispatch does not run inside pipeline stages"),
     # 12 rows split into 6 micro-batches on expert 2, but not over stage 4 x expert 2 outside the stages
     ({"mesh.stage": 4, "train.micro_batches": 6, "train.global_batch": 12},
      "not divisible by stage\\*data\\*fsdp\\*expert=8"),

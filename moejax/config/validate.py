@@ -169,11 +169,6 @@ def _validate_pipeline(cfg, sizes: dict[str, int], n_moe_layers: int):
             f"{n_moe_layers} MoE layers (model.n_layers={cfg.model.n_layers} - model.first_k_dense="
             f"{cfg.model.first_k_dense}; the dense layers run before the pipeline, MTP after it): every chunk needs "
             f"a layer; use stages x virtual stages <= {n_moe_layers}")
-    if cfg.moe.dispatch == "dropless":
-        raise ConfigError(
-            f"mesh.stage={stages} with moe.dispatch='dropless': dropless dispatch does not run inside pipeline stages "
-            "yet; use moe.dispatch='capacity' with moe.capacity_factor=0 (worst-case capacity: nothing dropped, "
-            "exact) or a capacity factor you accept")
     if micro < stages:
         raise ConfigError(f"train.micro_batches={micro} is fewer than mesh.stage={stages}: every stage needs a "
                           f"micro-batch in flight; set train.micro_batches >= {stages} (bubble (S-1)/(M x V))")

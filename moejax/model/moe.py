@@ -65,7 +65,7 @@ def exact_dispatch():
 
 class MoE(nnx.Module):
     def __init__(self, dim: int, moe_cfg, expert_gemm: str, *, rngs: nnx.Rngs, std: float, param_dtype=jnp.float32,
-                 f32_grad: bool = True, in_pipeline: bool = False):
+                 f32_grad: bool = True):
         n_experts, hidden = moe_cfg.n_routed_experts, moe_cfg.d_ff_expert
         self.router = Router(dim, moe_cfg, rngs=rngs, std=std, param_dtype=param_dtype)
         self.shared = (
@@ -81,9 +81,7 @@ class MoE(nnx.Module):
         self.mode = moe_cfg.dispatch
         self.drop_policy = moe_cfg.drop_policy
         self.dropless_window = float(moe_cfg.dropless_window)
-        # Inside pipeline stages exact dispatch (evaluation) is capacity dispatch at the worst-case capacity: dropless
-        # does not trace under the pipeline's vmap over stages yet (config validation refuses it for training).
-        self.exact_mode = ("capacity", 0.0) if in_pipeline else ("dropless", self.capacity_factor)
+        self.exact_mode = ("dropless", self.capacity_factor)  # exact dispatch (evaluation, model(tokens))
         self.seq_aux_loss_coef = float(moe_cfg.seq_aux_loss_coef)
         self.batch_aux_loss_coef = float(moe_cfg.batch_aux_loss_coef)  # applied model-wide by loss.lm_loss
         self.z_loss_coef = float(moe_cfg.z_loss_coef)

@@ -61,7 +61,7 @@ class HiddenOutput(NamedTuple):
 class Block(nnx.Module):
     """Pre-norm block: x + attn(norm(x)), then x + ffn(norm(x)); ffn is a dense MLP or an MoE."""
 
-    def __init__(self, cfg, *, moe: bool, rngs: nnx.Rngs, in_pipeline: bool = False):
+    def __init__(self, cfg, *, moe: bool, rngs: nnx.Rngs):
         m = cfg.model
         pdt = dtype_of(m.param_dtype)
         self.attn_norm = RMSNorm(m.d_model, eps=m.norm_eps, param_dtype=pdt)
@@ -70,7 +70,7 @@ class Block(nnx.Module):
         self.ffn_norm = RMSNorm(m.d_model, eps=m.norm_eps, param_dtype=pdt)
         if moe:
             self.ffn = MoE(m.d_model, cfg.moe, kernels["expert_gemm"], rngs=rngs, std=m.init_std, param_dtype=pdt,
-                           f32_grad=grads_in_f32(m), in_pipeline=in_pipeline)
+                           f32_grad=grads_in_f32(m))
         else:
             self.ffn = MLP(m.d_model, m.d_ff, rngs=rngs, std=m.init_std, param_dtype=pdt,
                            f32_grad=grads_in_f32(m))
@@ -94,7 +94,7 @@ def _stacked_blocks(cfg, n: int, *, moe: bool, rngs: nnx.Rngs, in_pipeline: bool
     @nnx.vmap(in_axes=(0,), out_axes=0,
               transform_metadata=STAGE_LAYERS_AXIS_METADATA if in_pipeline else LAYERS_AXIS_METADATA)
     def create(rngs):
-        return Block(cfg, moe=moe, rngs=rngs, in_pipeline=in_pipeline)
+        return Block(cfg, moe=moe, rngs=rngs)
 
     return create(rngs)
 

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.kernels import fp8, grouped_gemm
-from moejax.parallel.mesh import EXPERT_AXIS, batch_axes
+from moejax.parallel.mesh import EXPERT_AXIS, STAGE_AXIS, batch_axes
 from moejax.parallel.routing_plan import combine_rows, dispatch_rows
 
 
@@ -69,6 +69,30 @@ class Exchange(NamedTuple):
     recv_sizes_P: jax.Array  # how many rows source p sends me
     recv_ends_PxL: jax.Array  # cumulative rows of source p's chunk per local expert (its rows are sorted by expert)
     return_offsets_P: jax.Array  # where source p keeps my rows in its sorted buffer (its input offset for me)
+
+
+class How(NamedTuple):
+    """Static facts of where the dispatch is traced, fixed when the forward is traced (custom VJP backward rules are
+    traced after the model's contexts have exited): `platform` of the mesh's devices ('gpu', 'cpu', ... or None
+    when the mesh carries no device: then resolved when compiled), `axes` the batch axes the rows are split over,
+    `in_stage` inside pipeline stages, where the dispatch runs under the pipeline's vmap over `stage`: there jax
+    cannot batch a cond (`lax.switch`, `lax.cond`, `lax.platform_dependent`) inside the dispatch shard_map, so the
+    exchange is chosen statically, the CPU emulation pads to its largest chunk and the overflow rounds run without a
+    cond around them (zero iterations when none is needed)."""
+    platform: str | None
+    axes: tuple[str, ...]
+    in_stage: bool
+
+
+def trace_how() -> How:
+    mesh = jax.sharding.get_abstract_mesh()
+    device = getattr(mesh, "abstract_device", None)
+    platform = None if device is None else ("gpu" if device.platform in ("gpu", "cuda", "rocm") else device.platform)
+    in_stage = not mesh.empty and mesh.shape.get(STAGE_AXIS, 1) > 1 and STAGE_AXIS not in batch_axes()
+    if in_stage and platform is None:
+        raise ValueError("dropless dispatch inside pipeline stages needs the mesh's device platform (a mesh of "
+                         "devices under jax.set_mesh); the abstract mesh here names none")
+    return How(platform, batch_axes(), in_stage)
 
 
 def _excl_cumsum(x, axis=0):
@@ -123,31 +147,34 @@ def emulation_chunks(n_rows: int, out_rows: int, ep: int) -> tuple[int, ...]:
     return (*sizes, most)
 
 
-def _emulated(rows_NxD, input_offsets, send_sizes, output_offsets, recv_sizes, out_rows: int):
+def _emulated(rows_NxD, input_offsets, send_sizes, output_offsets, recv_sizes, out_rows: int, how: How):
     chunks = emulation_chunks(rows_NxD.shape[0], out_rows, send_sizes.shape[0])
     args = (rows_NxD, input_offsets, send_sizes, output_offsets, recv_sizes)
-    if len(chunks) == 1:
-        return _emulated_ragged_all_to_all(*args, out_rows, chunks[0])
+    if len(chunks) == 1 or how.in_stage:  # no switch under the pipeline's vmap (How)
+        return _emulated_ragged_all_to_all(*args, out_rows, chunks[-1])
     # Every device of the mesh takes the same branch (collectives inside): the largest send decides.
-    largest = jax.lax.pmax(jnp.max(send_sizes), batch_axes())
+    largest = jax.lax.pmax(jnp.max(send_sizes), how.axes)
     pick = jnp.sum(largest > jnp.asarray(chunks[:-1], jnp.int32))
     branches = [functools.partial(_emulated_ragged_all_to_all, out_rows=out_rows, chunk=c) for c in chunks]
     return jax.lax.switch(pick, branches, *args)
 
 
-def ragged_exchange(rows_NxD, input_offsets, send_sizes, output_offsets, recv_sizes, out_rows: int):
-    """`lax.ragged_all_to_all` over `expert` into a zero [out_rows, D] buffer (emulated on CPU)."""
+def ragged_exchange(rows_NxD, input_offsets, send_sizes, output_offsets, recv_sizes, out_rows: int, how: How):
+    """`lax.ragged_all_to_all` over `expert` into a zero [out_rows, D] buffer (emulated on CPU: XLA:CPU cannot
+    compile the ragged op). The platform is the mesh's when known (How), else resolved when compiled."""
 
     def native(rows, in_off, send, out_off, recv):
         # The output buffer varies over the batch axes like the rows (shard_map's check_vma typing).
-        out = jax.lax.pcast(jnp.zeros((out_rows, rows.shape[-1]), rows.dtype), batch_axes(), to="varying")
+        out = jax.lax.pcast(jnp.zeros((out_rows, rows.shape[-1]), rows.dtype), how.axes, to="varying")
         return jax.lax.ragged_all_to_all(rows, out, in_off, send, out_off, recv, axis_name=EXPERT_AXIS)
 
     def emulated(rows, in_off, send, out_off, recv):
-        return _emulated(rows, in_off, send, out_off, recv, out_rows)
+        return _emulated(rows, in_off, send, out_off, recv, out_rows, how)
 
-    return jax.lax.platform_dependent(rows_NxD, input_offsets, send_sizes, output_offsets, recv_sizes,
-                                      cpu=emulated, default=native)
+    args = (rows_NxD, input_offsets, send_sizes, output_offsets, recv_sizes)
+    if how.platform is None:
+        return jax.lax.platform_dependent(*args, cpu=emulated, default=native)
+    return emulated(*args) if how.platform == "cpu" else native(*args)
 
 
 def _local_copy(rows_NxD, input_offset, size, output_offset, out_rows: int):
@@ -166,27 +193,35 @@ class Moves(NamedTuple):
     recv_sizes: jax.Array
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _exchange(rows_NxD, there: Moves, back: Moves, out_rows: int, ep: int):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _exchange(rows_NxD, there: Moves, back: Moves, out_rows: int, ep: int, how: How):
     """Rows moved as `there` says into a zero [out_rows, D] buffer. `back` is the same rows' return trip (the
     receivers' offsets), and the transpose: the cotangent goes back as rows would, a gather (the emulation's
     autodiff would scatter-add)."""
     if ep > 1:
-        return ragged_exchange(rows_NxD, *there, out_rows)
+        return ragged_exchange(rows_NxD, *there, out_rows, how)
     return _local_copy(rows_NxD, there.input_offsets[0], there.send_sizes[0], there.output_offsets[0], out_rows)
 
 
-def _exchange_fwd(rows_NxD, there, back, out_rows, ep):
-    return _exchange(rows_NxD, there, back, out_rows, ep), (there, back, jnp.zeros((rows_NxD.shape[0], 0), jnp.int8))
+def _exchange_fwd(rows_NxD, there, back, out_rows, ep, how):
+    return (_exchange(rows_NxD, there, back, out_rows, ep, how),
+            (there, back, jnp.zeros((rows_NxD.shape[0], 0), jnp.int8)))
 
 
-def _exchange_bwd(out_rows, ep, residuals, d_out):
+def _exchange_bwd(out_rows, ep, how, residuals, d_out):
     there, back, like_Nx0 = residuals  # like_Nx0: the input's row count
-    return (_exchange(d_out, back, there, like_Nx0.shape[0], ep), jax.tree.map(_int_cotangent, there),
+    return (_exchange(d_out, back, there, like_Nx0.shape[0], ep, how), jax.tree.map(_int_cotangent, there),
             jax.tree.map(_int_cotangent, back))
 
 
 _exchange.defvjp(_exchange_fwd, _exchange_bwd)
+
+
+def _count_at_most(sorted_N, v_M):
+    """[M] int32: how many of sorted_N are <= each v (jnp.searchsorted(side='right')), by compare and count: jax's
+    searchsorted (every method, jax 0.10-0.12) mis-types its result's varying mesh axes under the pipeline's vmap
+    over stages inside the dispatch shard_map. N is small here (local experts, expert-parallel devices)."""
+    return jnp.sum(v_M[:, None] >= sorted_N[None, :], axis=1, dtype=jnp.int32)
 
 
 def _tile_plan(expert_R, n_local: int, tile: int, n_slots: int):
@@ -202,7 +237,7 @@ def _tile_plan(expert_R, n_local: int, tile: int, n_slots: int):
     slot_sorted = jnp.where(e_sorted < n_local, padded_start[e_sorted] + rank_sorted, n_slots)
     slot_R = slot_sorted[jnp.argsort(order_R)].astype(jnp.int32)  # inverse permutation by sort, not scatter
     s = jnp.arange(n_slots, dtype=jnp.int32)
-    group_S = jnp.clip(jnp.searchsorted(padded_start[:n_local], s, side="right") - 1, 0, n_local - 1)
+    group_S = jnp.clip(_count_at_most(padded_start[:n_local], s) - 1, 0, n_local - 1)
     rank_S = s - padded_start[group_S]
     filled = rank_S < counts_L[group_S]
     src_S = jnp.where(filled, order_R[jnp.minimum(starts[group_S] + rank_S, n_rows - 1)], n_rows).astype(jnp.int32)
@@ -234,7 +269,7 @@ def window_expert_ffn(x_RxD, expert_R, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *
     return dispatch_rows(y_NxMxD.reshape(n_slots, -1), src_S, slot_R, 1)
 
 
-def _round(lo, rows_AxD, w_gate, w_up, w_down, ex: Exchange, *, window: int, ep: int, gemm: str, ffn_axis):
+def _round(lo, rows_AxD, w_gate, w_up, w_down, ex: Exchange, *, window: int, ep: int, gemm: str, ffn_axis, how: How):
     """One round: the rows in receive-order positions [lo, lo + window) of every receiver, through their experts
     and back. Returns [A, D]: those rows' outputs at their places in the sender's sorted buffer, zero elsewhere."""
     n_assign = rows_AxD.shape[0]
@@ -248,15 +283,15 @@ def _round(lo, rows_AxD, w_gate, w_up, w_down, ex: Exchange, *, window: int, ep:
     # There: my rows for p from my buffer to p's window. Back: p's window rows from source q to q's buffer.
     there = Moves(ex.input_offsets_P + a_P, b_P - a_P, ex.out_offsets_P + a_P - lo, d_P - c_P)
     back = Moves(ex.recv_offsets_P + c_P - lo, d_P - c_P, ex.return_offsets_P + c_P, b_P - a_P)
-    x_WxD = _exchange(rows_AxD, there, back, window, ep)
+    x_WxD = _exchange(rows_AxD, there, back, window, ep, how)
     # Each window row's local expert: source p's rows are sorted by expert, ending at recv_ends_PxL[p].
     g_W = lo + jnp.arange(window, dtype=jnp.int32)
-    source_W = jnp.clip(jnp.searchsorted(ex.recv_offsets_P, g_W, side="right") - 1, 0, ep - 1)
+    source_W = jnp.clip(_count_at_most(ex.recv_offsets_P, g_W) - 1, 0, ep - 1)
     pos_W = g_W - ex.recv_offsets_P[source_W]
     expert_W = jnp.sum(pos_W[:, None] >= ex.recv_ends_PxL[source_W], axis=1).astype(jnp.int32)
     expert_W = jnp.where(pos_W < ex.recv_sizes_P[source_W], expert_W, n_local)
     y_WxD = window_expert_ffn(x_WxD, expert_W, w_gate, w_up, w_down, gemm=gemm, ffn_axis=ffn_axis)
-    return _exchange(y_WxD, back, there, n_assign, ep)
+    return _exchange(y_WxD, back, there, n_assign, ep, how)
 
 
 def _int_cotangent(x):
@@ -279,7 +314,13 @@ def _overflow_rounds(static, n_rounds, rows_AxD, w_gate, w_up, w_down, ex: Excha
     def body(r, acc):
         return acc + _overflow_round(static, r, rows_AxD, w_gate, w_up, w_down, ex)
 
-    return jax.lax.fori_loop(1, n_rounds, body, jnp.zeros_like(rows_AxD))
+    return jax.lax.fori_loop(_one_like(n_rounds), n_rounds, body, jnp.zeros_like(rows_AxD))
+
+
+def _one_like(n_rounds):
+    """1, computed from n_rounds: under the pipeline's vmap over stages the loop bounds then are both batched (a
+    constant lower bound is not, and jax refuses the mixed varying-axes compare in the batched loop)."""
+    return n_rounds - n_rounds + 1
 
 
 def _overflow_fwd(static, n_rounds, rows_AxD, w_gate, w_up, w_down, ex):
@@ -295,7 +336,7 @@ def _overflow_bwd(static, residuals, dy_AxD):
         return tuple(g + d for g, d in zip(grads, vjp(dy_AxD)))
 
     zeros = tuple(jnp.zeros_like(p) for p in (rows_AxD, w_gate, w_up, w_down))
-    grads = jax.lax.fori_loop(1, n_rounds, body, zeros)
+    grads = jax.lax.fori_loop(_one_like(n_rounds), n_rounds, body, zeros)
     return (_int_cotangent(n_rounds), *grads, jax.tree.map(_int_cotangent, ex))
 
 
@@ -308,6 +349,7 @@ def dropless_moe(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF, 
     n_tokens, top_k = expert_idx_TxK.shape
     n_assign = n_tokens * top_k
     n_local = n_experts // ep
+    how = trace_how()
     expert_A = expert_idx_TxK.reshape(-1).astype(jnp.int32)
     order_A = jnp.argsort(expert_A, stable=True).astype(jnp.int32)
     rank_A = jnp.argsort(order_A).astype(jnp.int32)  # assignment -> its row in sorted order
@@ -315,22 +357,25 @@ def dropless_moe(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF, 
     counts_E = jnp.bincount(expert_A, length=n_experts).astype(jnp.int32)
     ex = plan_exchange(counts_E, ep)
     y_AxD = _round(0, rows_AxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, ex, window=window, ep=ep, gemm=gemm,
-                   ffn_axis=ffn_axis)
+                   ffn_axis=ffn_axis, how=how)
     n_rounds = jnp.int32(1)  # a window of the worst case always suffices: no overflow code, no pmax
     if window < worst_case_rows(n_tokens, top_k, ep, n_local):
         # Every device of the mesh runs the same number of rounds (collectives inside): the largest load decides.
         need = jnp.sum(ex.recv_sizes_P)
         if collective:
-            need = jax.lax.pmax(need, batch_axes())
+            need = jax.lax.pmax(need, how.axes)
         # Overflow rounds take a quarter window each: an overload a little above the window costs a little more.
         overflow_window = overflow_window_rows(window, grouped_gemm.row_multiple(gemm))
         n_rounds = 1 + jnp.maximum(need - window + overflow_window - 1, 0) // overflow_window
         static = (("first", window), ("window", overflow_window), ("ep", ep), ("gemm", gemm), ("ffn_axis", ffn_axis),
-                  ("fp8", fp8.active()))
-        y_AxD = y_AxD + jax.lax.cond(
-            n_rounds > 1,
-            lambda *a: _overflow_rounds(static, *a),
-            lambda n, rows, *_: jnp.zeros_like(rows),
-            n_rounds, rows_AxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, ex)
+                  ("fp8", fp8.active()), ("how", how))
+        if how.in_stage:  # no cond under the pipeline's vmap (How): the loop runs zero rounds when none is needed
+            y_AxD = y_AxD + _overflow_rounds(static, n_rounds, rows_AxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, ex)
+        else:
+            y_AxD = y_AxD + jax.lax.cond(
+                n_rounds > 1,
+                lambda *a: _overflow_rounds(static, *a),
+                lambda n, rows, *_: jnp.zeros_like(rows),
+                n_rounds, rows_AxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, ex)
     out_TxD = combine_rows(y_AxD, expert_w_TxK, rank_A, order_A)
     return out_TxD, counts_E, n_rounds
