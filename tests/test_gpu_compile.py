@@ -113,6 +113,33 @@ def test_dropless_receive_buffers_are_the_window_not_the_worst_case(h200_droples
     assert 1.0 <= plan / xla < 1.3, (plan, xla)
 
 
+@pytest.fixture(scope="module")
+def h200_pipelined_dropless():
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    from moejax.planner.dry_run import dry_run
+
+    c = gpu_config("dropless")
+    c.moe.d_ff_expert = DROPLESS_D_FF
+    # 3 MoE layers on 2 stages (chunks of 2 slots, one an identity slot), expert 4 inside each stage
+    c.mesh.stage, c.mesh.data, c.train.micro_batches = 2, 1, 2
+    return dry_run(c, 8, "h200", keep_hlo=True)
+
+
+def test_pipelined_dropless_runs_ragged_exchanges_inside_the_stages(h200_pipelined_dropless):
+    """Dropless inside pipeline stages on GPUs: the exchange is chosen from the mesh's platform when traced (no
+    platform_dependent under the stages' vmap), so the program moves the routed rows with ragged all-to-alls and
+    runs tokamax's grouped GEMM; no dense all-to-all of rows (the CPU emulation's) is left; the stages hand
+    activations on with collective-permutes."""
+    r = h200_pipelined_dropless
+    assert r["kernels"]["expert_gemm"] == "tokamax"
+    kinds = {(c["kind"], tuple(c["dtypes"])) for c in r["collectives"]}
+    assert ("ragged-all-to-all", ("bf16",)) in kinds, kinds
+    assert not [c for c in r["collectives"] if c["kind"] == "all-to-all" and set(c["dtypes"]) & {"bf16", "f32"}
+                and c["bytes"] > 4096], r["collectives"]
+    assert any(c["kind"] == "collective-permute" for c in r["collectives"]), kinds
+    assert r["xla"]["kernels"]["custom_calls"].get("mosaic_gpu_v2", 0) >= 9, r["xla"]["kernels"]
+
+
 def _gb300_dry_run_in_own_process(work, **extra):
     """The gpu_config('dropless') shape dry-run for GB300 through the CLI in its own process: one process compiles
     Mosaic GPU kernels for one GPU generation (after an H200 compile, ptxas refuses the sm_103 target)."""
