@@ -145,7 +145,8 @@ def test_uneven_split_fills_the_first_chunks_and_keeps_layer_order():
 
 def test_compiled_ring_moves_activations_only(devices):
     """PP4 x VP2, parameters laid out as chunks (stage dim split over `stage`): the compiled gradient step hands
-    activations round the ring with collective-permutes of one micro-batch slice and gathers no parameters."""
+    activations round the ring with collective-permutes of one micro-batch slice, moves the last stage's outputs
+    once (one permute of the M slices), all-reduces no activations over the stages and gathers no parameters."""
     import re
     stages, repeats, micro = 4, 2, 5
     mesh = Mesh(np.asarray(devices).reshape(stages, 2), ("stage", "data"), axis_types=(AxisType.Auto, AxisType.Auto))
@@ -160,7 +161,10 @@ def test_compiled_ring_moves_activations_only(devices):
         chunks = jax.device_put(chunks, NamedSharding(mesh, P(None, "stage")))
         hlo = jax.jit(jax.grad(loss)).lower(chunks, jnp.ones((micro, B, D))).compile().as_text()
     shapes = {op: [m.group(1) for m in re.finditer(rf"= (\w+\[[\d,]*\])\S* {op}(?:-start)?\(", hlo)]
-              for op in ("collective-permute", "all-gather")}
+              for op in ("collective-permute", "all-gather", "all-reduce")}
     assert shapes["all-gather"] == [], shapes
-    assert f"f32[1,{B // 2},{D}]" in shapes["collective-permute"], shapes  # one stage's slice, rows split over data
-    assert all(s.startswith(("pred", "s32")) or s == f"f32[1,{B // 2},{D}]" for s in shapes["collective-permute"])
+    one, outputs = f"f32[1,{B // 2},{D}]", f"f32[1,{micro},{B // 2},{D}]"  # rows split over data
+    assert one in shapes["collective-permute"], shapes  # one stage's slice
+    assert all(s in (one, outputs) for s in shapes["collective-permute"]), shapes
+    assert shapes["collective-permute"].count(outputs) <= 1, shapes
+    assert not [s for s in shapes["all-reduce"] if s in (one, f"f32[{B // 2},{D}]")], shapes

@@ -95,25 +95,28 @@ def test_hand_off_bytes_and_their_link(stages, domain, nic_share):
     cfg = staged_config()
     lay = Layout(2, 1, 16 // (2 * stages), 1, "full", 1, "capacity", stages, 1)
     assert lay.n_devices == 16
-    hand = [t for t in step_traffic(cfg, lay) if t.kind == "collective-permute"]
-    assert len(hand) == 1 and hand[0].axes == ("stage",)
+    hand, outputs = [t for t in step_traffic(cfg, lay) if t.kind == "collective-permute"]
+    assert hand.axes == outputs.axes == ("stage",)
     n_micro = lay.n_micro(cfg.train.global_batch)
-    assert hand[0].bytes == 1 * 16 * cfg.model.d_model * 4  # one micro-batch's [mb, seq, d_model] f32 per device
-    # as XLA compiles the schedule: 2 forward + 3 backward permutes per tick, and 3 all-reduces over `stage`
-    assert hand[0].count == 5 * schedule_ticks(stages, n_micro, 1)
+    assert hand.bytes == 1 * 16 * cfg.model.d_model * 4  # one micro-batch's [mb, seq, d_model] f32 per device
+    # as XLA compiles the schedule: 1 forward + 2 backward permutes per tick; once per step the last stage's M
+    # outputs to every stage (a permute and an all-reduce) and their cotangents back (a permute), and stage 0's
+    # input cotangents summed over the stages (an all-reduce)
+    assert hand.count == 3 * schedule_ticks(stages, n_micro, 1)
+    assert (outputs.bytes, outputs.count) == (hand.bytes * n_micro, 2)
     reads = [t for t in step_traffic(cfg, lay) if t.axes == ("stage",) and t.kind == "all-reduce"]
-    assert len(reads) == 1 and reads[0].bytes == hand[0].bytes and reads[0].count == 3 * schedule_ticks(stages, n_micro, 1)
+    assert len(reads) == 1 and (reads[0].bytes, reads[0].count) == (hand.bytes * n_micro, 2)
     # the rows gathered over `stage` into the pipeline, and the cotangents of the hidden state and the MTP
     # module's hidden state in the backward (XLA gathers those in two steps beyond two stages: 1.5 x)
     gathers = [t for t in step_traffic(cfg, lay) if t.axes == ("stage",) and t.kind == "all-gather"]
-    rows = hand[0].bytes * n_micro
+    rows = hand.bytes * n_micro
     assert [t.bytes for t in gathers] == [rows, rows * (3 if stages > 2 else 2) // 2]
     assert [t.count for t in gathers] == [1, 1 + cfg.model.mtp_depth]
     # the gradients of the leaves outside the stages are summed over `stage` too
     head = [t for t in step_traffic(cfg, lay) if t.what == "grad sum ['head_DxV']"]
     assert len(head) == 1 and "stage" in head[0].axes
-    w = wire_bytes(hand[0], lay.sizes, domain)
-    assert w["nic"] == pytest.approx(nic_share * hand[0].total) and w["nvlink"] + w["nic"] == pytest.approx(hand[0].total)
+    w = wire_bytes(hand, lay.sizes, domain)
+    assert w["nic"] == pytest.approx(nic_share * hand.total) and w["nvlink"] + w["nic"] == pytest.approx(hand.total)
 
 
 def test_pipeline_trades_bubble_for_the_fsdp_gathers_it_saves():

@@ -131,21 +131,32 @@ def circular_pipeline(stage_fn: Callable, params_VxSxC, x_MxB, *, mesh, axis: st
         row_M = jnp.where(busy, lax.dynamic_update_index_in_dim(row_M, a, m, 0), row_M)
         return lax.dynamic_update_index_in_dim(acc_VxM, row_M, r, 0)
 
-    def tick(carry, t):
-        state_SxB, wait_MxB, out_MxB, aux_VxS = carry
-        # What the last stage finished one tick ago reached stage 0 (item t - S): it waits there for its next repeat.
-        arrived_B = state_SxB[0]
+    def enter(state_B, wait_MxB, x_MxB_s, first, repeat, micro, t):
+        """One stage's input at tick t. On stage 0 (`first`) what the last stage finished one tick ago (rolled in
+        as state_B, item t - S) parks in the stage's own wait buffer until its next repeat, and the input is a fresh
+        micro-batch on the first repeat, else that micro-batch's parked output; elsewhere the rolled-in state."""
         back = t - n_stages
-        parks = (back >= 0) & (back < n_items - n_micro)
-        wait_MxB = jnp.where(parks, lax.dynamic_update_index_in_dim(wait_MxB, arrived_B, back % n_micro, 0),
-                             wait_MxB)
+        parks = first & (back >= 0) & (back < n_items - n_micro)
+        wait_MxB = jnp.where(parks, lax.dynamic_update_index_in_dim(wait_MxB, state_B, back % n_micro, 0), wait_MxB)
+        first_B = jnp.where(repeat == 0, _index(x_MxB_s, micro), _index(wait_MxB, micro))
+        return jnp.where(first, first_B, state_B), wait_MxB
 
+    def leave(out_MxB, y_B, last, busy, repeat, micro):
+        """The last stage keeps a micro-batch's output of its last repeat in its own output buffer."""
+        done = last & busy & (repeat == n_repeats - 1)
+        return jnp.where(done, lax.dynamic_update_index_in_dim(out_MxB, y_B, micro, 0), out_MxB)
+
+    def tick(carry, t):
+        state_SxB, wait_SxM, out_SxM, aux_VxS = carry
         item_S = t - stage_S
         busy_S = (item_S >= 0) & (item_S < n_items)
         item_S = jnp.clip(item_S, 0, n_items - 1)
         repeat_S, micro_S = item_S // n_micro, item_S % n_micro
-        first_B = jnp.where(repeat_S[0] == 0, _index(x_MxB, micro_S[0]), _index(wait_MxB, micro_S[0]))
-        in_SxB = split(state_SxB.at[0].set(first_B))
+        # Every buffer has a leading stage dim split over the stage axis and each stage touches only its own row:
+        # no value crosses stages inside a tick except the roll below (a collective-permute).
+        in_SxB, wait_SxM = by_stage(enter, in_axes=(0, 0, 0, 0, 0, 0, None))(
+            state_SxB, wait_SxM, x_SxM, stage_S == 0, repeat_S, micro_S, t)
+        in_SxB = split(in_SxB)
         if n_repeats == 1:  # loop-invariant: the backward reads the weights instead of a copy saved per tick
             chunk_SxC = jax.tree.map(lambda a: a[0], params_VxSxC)
         else:
@@ -154,22 +165,26 @@ def circular_pipeline(stage_fn: Callable, params_VxSxC, x_MxB, *, mesh, axis: st
         side_SxB = jax.tree.map(lambda a: split(a[micro_S]), side_MxB)
         y_SxB, aux_S = by_stage(stage_fn)(chunk_SxC, in_SxB, side_SxB)
         y_SxB = split(y_SxB)
-
-        last = n_stages - 1
-        done = busy_S[last] & (repeat_S[last] == n_repeats - 1)
-        out_MxB = jnp.where(done, lax.dynamic_update_index_in_dim(out_MxB, y_SxB[last], micro_S[last], 0), out_MxB)
+        out_SxM = by_stage(leave)(out_SxM, y_SxB, stage_S == n_stages - 1, busy_S, repeat_S, micro_S)
         if with_aux:
             aux_VxS = jax.tree.map(lambda acc, a: by_stage(keep, in_axes=(1, 0, 0, 0, 0), out_axes=1)(
                 acc, a, repeat_S, micro_S, busy_S), aux_VxS, aux_S)
-        return (split(jnp.roll(y_SxB, 1, axis=0)), wait_MxB, out_MxB, aux_VxS), None
+        return (split(jnp.roll(y_SxB, 1, axis=0)), split(wait_SxM), split(out_SxM), aux_VxS), None
+
+    def per_stage(a_MxB):
+        """[M, ...] -> [S, M, ...] split over the stage axis: a copy per stage (each device keeps its own)."""
+        return split(jnp.broadcast_to(a_MxB[None], (n_stages, *a_MxB.shape)))
 
     state_SxB = split(jnp.zeros((n_stages, *x_MxB.shape[1:]), x_MxB.dtype))
+    x_SxM = per_stage(x_MxB)  # read by stage 0 only; its cotangent is summed over the stages once, after the scan
     aux_VxS = jax.tree.map(lambda a: jnp.zeros((n_repeats, n_stages, n_micro, *a.shape), a.dtype), aux_like)
-    init = (state_SxB, jnp.zeros_like(x_MxB), jnp.zeros_like(x_MxB), aux_VxS)
+    init = (state_SxB, per_stage(jnp.zeros_like(x_MxB)), per_stage(jnp.zeros_like(x_MxB)), aux_VxS)
     ticks = jnp.arange(schedule_ticks(n_stages, n_micro, n_repeats), dtype=jnp.int32)
     if tick_policy is not None:
         tick = jax.checkpoint(tick, policy=tick_policy, prevent_cse=False)
-    (_, _, out_MxB, aux_VxS), _ = lax.scan(tick, init, ticks)
+    (_, _, out_SxM, aux_VxS), _ = lax.scan(tick, init, ticks)
+    # The last stage's outputs, to every stage (one transfer per step, not one per tick).
+    out_MxB = out_SxM[n_stages - 1]
     return out_MxB, (aux_VxS if with_aux else None)
 
 

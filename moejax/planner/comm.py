@@ -19,7 +19,7 @@ The rules, per step (n_micro passes of forward + backward; layers' collectives r
                    its input gradient in the backward. Rows: the device's tokens, or E*C for expert weights
   pipeline stages  (layout.stage > 1, parallel/pipeline.py) each of the M V + S - 1 ticks runs one chunk of ceil(L / (S V))
                    MoE layers per stage and hands one micro-batch's activations to the next stage (collective-
-                   permute over `stage`, forward and backward); the MoE stack's collectives above (gathers and
+                   permute over `stage`, forward and backward), the last stage's outputs reach every stage once; the MoE stack's collectives above (gathers and
                    gradient sums included) run per tick for a chunk; the rest of the model runs in one pass on the
                    stage's 1/S of the local rows (MTP on every stage alike), its gradients summed once per step
                    (over `stage` too, MTP's excepted); the rows are all-gathered over `stage` into the pipeline
@@ -105,14 +105,17 @@ def step_traffic(cfg, layout: Layout, seq_len: int | None = None) -> list[Traffi
     n_heads = 1 + int(m.get("mtp_depth", 0))
 
     if piped:
-        # As XLA compiles parallel/pipeline.py (read on compiled CPU steps): per tick the roll to the next stage is
-        # collective-permutes of one micro-batch slice, two forward and three backward, and the slices every stage
-        # reads from one stage (stage 0's arrivals, the last stage's outputs) are all-reduces over `stage`, two
-        # forward and one backward.
+        # As XLA compiles parallel/pipeline.py (read on compiled CPU steps, 2026-12-04): per tick the roll to the next
+        # stage is collective-permutes of one micro-batch slice, one forward and two backward (every other buffer of
+        # the schedule stays on its stage); once per step the last stage's M outputs go to every stage (a permute and
+        # an all-reduce) and their cotangents back (a permute), and the input micro-batches' cotangent (stage 0's) is
+        # summed over the stages (an all-reduce).
         slice_bytes = tokens * int(m.d_model) * act
-        out.append(Traffic("collective-permute", ("stage",), slice_bytes, 5 * ticks, "pipeline hand-off", act_t))
-        out.append(Traffic("all-reduce", ("stage",), slice_bytes, 3 * ticks, "pipeline stage 0 / last stage slices",
-                           act_t))
+        out.append(Traffic("collective-permute", ("stage",), slice_bytes, 3 * ticks, "pipeline hand-off", act_t))
+        out.append(Traffic("collective-permute", ("stage",), slice_bytes * n_micro, 2,
+                           "last stage's outputs out and their cotangents back", act_t))
+        out.append(Traffic("all-reduce", ("stage",), slice_bytes * n_micro, 2,
+                           "last stage's outputs to every stage, stage 0's input cotangents", act_t))
         # Outside the stages the rows are split over `stage` as well (parallel/mesh.batch_axes): they are gathered
         # where the pipeline starts, and the cotangents of the stages' outputs (the hidden state, each MTP module's)
         # where the backward enters it.
