@@ -59,15 +59,20 @@ def in_layer_order(cfg, path, value):
     # overflow rounds (counted below)
     (2, 2, 4, 8, {"expert": 2, "tensor": 2}, "dropless"),
     (4, 1, 4, 8, {"expert": 2}, "dropless-overflow"),
+    # 3 micro-batches on 2 stages: the MTP passes split 2 + 1 over the stages (a padded pass on stage 1); 12 rows
+    (2, 1, 3, 8, {"expert": 2, "tensor": 2}, "capacity"),
 ], ids=["pp2-data2xexpert2", "pp2xvp2-expert2xtensor2", "pp4-allgather", "pp4xvp2", "pp2xvp3-7-layers",
-        "pp4-6-layers", "pp2xvp2-dropless", "pp4-dropless-overflow"])
+        "pp4-6-layers", "pp2xvp2-dropless", "pp4-dropless-overflow", "pp2-3-micro-batches"])
 def test_pipelined_step_equals_one_device(devices, stages, virtual, micro, n_moe, axes, dispatch):
-    tokens = np.random.default_rng(100 * stages + 10 * virtual + micro + n_moe).integers(0, 259, size=(8, 17),
+    rows = 12 if micro == 3 else 8
+    tokens = np.random.default_rng(100 * stages + 10 * virtual + micro + n_moe).integers(0, 259, size=(rows, 17),
                                                                                          dtype=np.int32)
     single = pipeline_config(dispatch, micro, n_moe)
+    single.train.global_batch = rows
     single.mesh.data = 1
     params_1, state_1, metrics_1 = one_step(single, devices[:1], tokens)
     piped = pipeline_config(dispatch, micro, n_moe)
+    piped.train.global_batch = rows
     piped.mesh.stage, piped.mesh.virtual_stages, piped.mesh.data = stages, virtual, 1
     for axis, size in axes.items():
         piped.mesh[axis] = size
@@ -80,7 +85,7 @@ def test_pipelined_step_equals_one_device(devices, stages, virtual, micro, n_moe
     if dispatch == "dropless-overflow":
         assert metrics_p["dropless_rounds"] > 1  # the overflow rounds ran inside the stages
     np.testing.assert_array_equal(metrics_p["tokens_per_expert"], metrics_1["tokens_per_expert"])
-    assert np.asarray(metrics_1["tokens_per_expert"]).sum() == (n_moe + 1) * 8 * 16 * 2  # MoE layers + MTP, T x k
+    assert np.asarray(metrics_1["tokens_per_expert"]).sum() == (n_moe + 1) * rows * 16 * 2  # MoE layers + MTP, T x k
     flat_1 = dict(jax.tree_util.tree_leaves_with_path(params_1))
     for path, p in jax.tree_util.tree_leaves_with_path(params_p):
         want = flat_1[path]

@@ -69,8 +69,8 @@ def pipelined_macs_fraction(cfg, seq_len: int) -> float:
 
 
 def mtp_blocks_macs_fraction(cfg, seq_len: int) -> float:
-    """The share of macs_per_token in the MTP modules' blocks and projections (not their heads): what every
-    pipeline stage computes alike (their MoE statistics are per micro-batch pass)."""
+    """The share of macs_per_token in the MTP modules' blocks and projections (not their heads): what pipeline stages
+    split by micro-batch (their MoE statistics are per micro-batch pass)."""
     m = cfg.model
     per_module = _moe_layer_macs_per_token(m, cfg.moe, seq_len) + 2 * m.d_model * m.d_model
     return m.get("mtp_depth", 0) * per_module / macs_per_token(cfg, seq_len)

@@ -6,8 +6,8 @@ With pipeline stages (mesh.stage > 1) the MoE blocks run as a circular pipeline 
 final norm, MTP modules and head after it, each MTP pass and every MoE statistic per micro-batch (as gradient
 accumulation computes them). The embedding, dense blocks, final norm, head and loss run data-parallel over the stages
 (their rows split over `stage` too: parallel/mesh.batch_axes), so no stage repeats them; the rows are gathered over
-`stage` where the pipeline starts. The MTP modules run on every stage alike (their per-pass statistics need every
-micro-batch's pass)."""
+`stage` where the pipeline starts. The MTP modules run once per micro-batch (their statistics are per pass), stage s
+taking micro-batches s, s + S, ...: no stage repeats another's MTP pass."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from moejax.kernels import fp8
 from moejax.kernels.resolve import model_kernels
@@ -332,6 +333,41 @@ class Transformer(nnx.Module):
             mtp_h_DxBxLxD = constrain(mtp_h_DxBxLxD, (None, *ACT_BxLxD))
         return HiddenOutput(self.final_norm(h_BxLxD), mtp_h_DxBxLxD, stats)
 
+    def _mtp_split_over_stages(self, mesh, y_MxBxLxD, tokens_MxB, positions_MxB, segments_MxB):
+        """The MTP modules once per micro-batch (a whole pass each, as gradient accumulation runs them, so their MoE
+        statistics are per pass), stage s taking micro-batches s, s + S, ...: each stage runs ceil(M / S) passes,
+        none repeats another's. With M not a multiple of S the last round pads with copies of the first micro-batches,
+        whose outputs are dropped (a stage would idle that long anyway). Returns ([M, depth, B, L, D], statistics
+        [M, depth, ...])."""
+        n_micro, n_stages = y_MxBxLxD.shape[0], self.stages
+        rounds = -(-n_micro // n_stages)
+        take = np.arange(rounds * n_stages) % n_micro  # padded micro-batch j = r S + s runs on stage s
+
+        def by_stage(a):  # [M, ...] -> [S, rounds, ...], dim 0 split over `stage`
+            if a is None:
+                return None
+            a = a[take].reshape(rounds, n_stages, *a.shape[1:]).swapaxes(0, 1)
+            return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, P("stage", *[P.UNCONSTRAINED] * (a.ndim - 1))))
+
+        def in_order(a):  # [S, rounds, ...] -> [M, ...]
+            return a.swapaxes(0, 1).reshape(rounds * n_stages, *a.shape[2:])[:n_micro]
+
+        graphdef, state = nnx.split((self.mtp, self.embed))
+
+        def stage_passes(state, h_RxB, tokens_RxB, positions_RxB, segments_RxB):
+            mtp, embed = nnx.merge(graphdef, state)
+
+            def mtp_pass(mtp, embed, h, tokens, positions, segments):
+                mtp_h, mtp_stats = self._mtp(mtp, embed, h, tokens, positions, segments)
+                return mtp_h, _stack_stats(None, mtp_stats)
+
+            return nnx.scan(mtp_pass, in_axes=(None, None, 0, 0, 0, 0), out_axes=(0, 0))(
+                mtp, embed, h_RxB, tokens_RxB, positions_RxB, segments_RxB)
+
+        out = jax.vmap(stage_passes, in_axes=(None, 0, 0, 0, 0), spmd_axis_name="stage")(
+            state, by_stage(y_MxBxLxD), by_stage(tokens_MxB), by_stage(positions_MxB), by_stage(segments_MxB))
+        return jax.tree.map(in_order, out)
+
     def _stages_and_mtp(self, mesh, x_BxLxD, tokens_BxL, positions_BxL, segment_ids_BxL):
         """Inside the stages: the MoE stack's pipeline, then the MTP modules once per micro-batch on every stage
         alike (replicated over `stage`, as their MoE statistics are per pass: [M, rows, ...])."""
@@ -365,15 +401,10 @@ class Transformer(nnx.Module):
         stats_MxL = jax.tree.map(lambda a: jnp.moveaxis(a, 2, 0).reshape(n_micro, -1, *a.shape[4:])[
             :, np.asarray(self.stack_layout.slots)], stats_VxSxMxC)
 
-        def mtp_pass(mtp, embed, h, tokens, positions, segments):
-            mtp_h, mtp_stats = self._mtp(mtp, embed, h, tokens, positions, segments)
-            return mtp_h, _stack_stats(None, mtp_stats)
-
         mtp_h_MxDx, mtp_stats_Mx = (None, None)
-        if len(self.mtp):  # once per micro-batch (nnx.scan with the modules broadcast), as accumulation runs it
-            mtp_h_MxDx, mtp_stats_Mx = nnx.scan(mtp_pass, in_axes=(None, None, 0, 0, 0, 0), out_axes=(0, 0))(
-                self.mtp, self.embed, y_MxBxLxD, micro_batches(tokens_BxL, n_micro), side["positions"],
-                side.get("segments"))
+        if len(self.mtp):
+            mtp_h_MxDx, mtp_stats_Mx = self._mtp_split_over_stages(
+                mesh, y_MxBxLxD, micro_batches(tokens_BxL, n_micro), side["positions"], side.get("segments"))
         stats = stats_MxL if mtp_stats_Mx is None else jax.tree.map(
             lambda a, b: jnp.concatenate([a, b], axis=1), stats_MxL, mtp_stats_Mx)
         mtp_h_DxBxLxD = None if mtp_h_MxDx is None else jnp.stack(

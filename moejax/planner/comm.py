@@ -21,8 +21,8 @@ The rules, per step (n_micro passes of forward + backward; layers' collectives r
                    MoE layers per stage and hands one micro-batch's activations to the next stage (collective-
                    permute over `stage`, forward and backward), the last stage's outputs reach every stage once; the MoE stack's collectives above (gathers and
                    gradient sums included) run per tick for a chunk; the rest of the model runs in one pass on the
-                   stage's 1/S of the local rows (MTP on every stage alike), its gradients summed once per step
-                   (over `stage` too, MTP's excepted); the rows are all-gathered over `stage` into the pipeline
+                   stage's 1/S of the local rows (MTP: each stage every S-th micro-batch's pass), its gradients
+                   summed once per step (over `stage` too); the rows are all-gathered over `stage` into the pipeline
                    and the stages' output cotangents in the backward
   LM head          under the chunked loss its gradient is summed over the batch axes once per chunk of
                    kernels.loss_chunk positions and per head (MTP heads share it), inside the loss's backward scan
@@ -164,8 +164,8 @@ def step_traffic(cfg, layout: Layout, seq_len: int | None = None) -> list[Traffi
                 out.append(Traffic("all-gather", ("fsdp",), shard * f // piece, gathers, f"fsdp gather {leaf.path}",
                                    param_t))
         # Outside the stages (parallel/mesh.batch_axes) a leaf's rows are split over `stage` too, and its gradient
-        # summed over it; the MTP modules run inside the stages, on every stage alike (replicated over `stage`).
-        outside = piped and not leaf.pipelined and not leaf.path.startswith("['mtp']")
+        # summed over it; the MTP modules' too (each stage runs every S-th micro-batch's pass).
+        outside = piped and not leaf.pipelined
         replicas = _group([a for a in BATCH_AXES + (("stage",) if outside else ()) if not leaf.sharded_over(a)],
                           sizes)
         if leaf.path == "['head_DxV']" and loss_chunks > 1:

@@ -10,7 +10,8 @@ Time model (every assumption is listed by `assumptions()` and printed with the r
   links     wire bytes of hierarchical collectives (comm.wire_bytes) over per-GPU NVLink / NIC bandwidth
   stages    (layout.stage > 1, parallel/pipeline.py as moejax runs it) the MoE layers' FLOPs are split over the
             stages and stretched by the bubble, 1 + (S - 1) / (M V) (a stage computes on its idle ticks too);
-            the MTP blocks run on every stage alike (S x their FLOPs per device), the embedding, dense layers,
+            the MTP passes split over the stages by micro-batch (ceil(M / S) S / M of their FLOPs), the embedding,
+            dense layers,
             heads and loss are split over the stages with the batch; the hand-off between stages is waited on
             (critical), like the expert all-to-all
 """
@@ -118,7 +119,7 @@ def predict(cfg, topo: Topology, layout: Layout, *, efficiency: float, domain_si
 
 def stage_terms(cfg, layout: Layout, seq: int) -> tuple[float, float]:
     """(bubble, device FLOPs over model FLOPs / n) of the layout's pipeline stages: the pipelined share stretched by
-    the bubble and by an uneven split's identity slots (S V C / L), the MTP blocks computed by every stage alike, the rest (embedding, dense layers, heads, loss) split
+    the bubble and by an uneven split's identity slots (S V C / L), the MTP passes split over the stages by micro-batch (ceil(M / S) per stage), the rest (embedding, dense layers, heads, loss) split
     over the stages like the batch."""
     if layout.stage <= 1:
         return 0.0, 1.0
@@ -126,7 +127,9 @@ def stage_terms(cfg, layout: Layout, seq: int) -> tuple[float, float]:
     piped, mtp = pipelined_macs_fraction(cfg, seq), mtp_blocks_macs_fraction(cfg, seq)
     n_moe = int(cfg.model.n_layers) - int(cfg.model.first_k_dense)
     padded = chunk_slots(n_moe, layout.stage, layout.virtual) * layout.stage * layout.virtual / n_moe  # identity slots
-    return bubble, piped * padded * (1 + bubble) + mtp * layout.stage + (1 - piped - mtp)
+    n_micro = layout.n_micro(int(cfg.train.global_batch))
+    mtp_share = -(-n_micro // layout.stage) * layout.stage / n_micro  # padded rounds of MTP passes
+    return bubble, piped * padded * (1 + bubble) + mtp * mtp_share + (1 - piped - mtp)
 
 
 def _divisors(n: int) -> list[int]:
@@ -244,7 +247,7 @@ def assumptions(topo: Topology, efficiency: float, domain_size: int, cfg=None, *
         "train.micro_batches = per-device batch / micro-batch (each pass re-gathers fsdp weights)",
         "pipeline stages (stage > 1, circular schedule as moejax runs it): MoE-layer compute x S V C / L (an uneven "
         "split's identity slots, C = ceil(L / (S V))) x (1 + bubble), bubble (S - 1) / (M V); embedding, dense layers, heads and loss split over the stages with the batch (the rows "
-        "gathered over `stage` where the pipeline starts), MTP blocks computed on every stage; one micro-batch's "
+        "gathered over `stage` where the pipeline starts), MTP passes split over the stages by micro-batch; one micro-batch's "
         "activations per tick to the next stage and back (on the NICs when stages take whole NVLink domains), waited "
         "on; every tick's residuals kept until the backward (all M micro-batches: GPipe memory, not 1F1B's)",
         "not modelled: 1F1B / zero-bubble schedules (moejax runs the circular one), "
