@@ -77,8 +77,9 @@ class How(NamedTuple):
     when the mesh carries no device: then resolved when compiled), `axes` the batch axes the rows are split over,
     `in_stage` inside pipeline stages, where the dispatch runs under the pipeline's vmap over `stage`: there jax
     cannot batch a cond (`lax.switch`, `lax.cond`, `lax.platform_dependent`) inside the dispatch shard_map, so the
-    exchange is chosen statically, the CPU emulation pads to its largest chunk and the overflow rounds run without a
-    cond around them (zero iterations when none is needed)."""
+    exchange is chosen from `platform` when traced, the CPU emulation pads to its largest chunk and the overflow
+    rounds run without a cond around them (zero iterations when none is needed). Outside the stages none of this
+    changes the program."""
     platform: str | None
     axes: tuple[str, ...]
     in_stage: bool
@@ -161,7 +162,9 @@ def _emulated(rows_NxD, input_offsets, send_sizes, output_offsets, recv_sizes, o
 
 def ragged_exchange(rows_NxD, input_offsets, send_sizes, output_offsets, recv_sizes, out_rows: int, how: How):
     """`lax.ragged_all_to_all` over `expert` into a zero [out_rows, D] buffer (emulated on CPU: XLA:CPU cannot
-    compile the ragged op). The platform is the mesh's when known (How), else resolved when compiled."""
+    compile the ragged op). Resolved when lowered (`lax.platform_dependent`: a program lowered for another platform
+    than its mesh's devices gets that platform's exchange), except inside pipeline stages, where no cond can be
+    batched: there the mesh's device platform decides when traced (How)."""
 
     def native(rows, in_off, send, out_off, recv):
         # The output buffer varies over the batch axes like the rows (shard_map's check_vma typing).
@@ -172,7 +175,7 @@ def ragged_exchange(rows_NxD, input_offsets, send_sizes, output_offsets, recv_si
         return _emulated(rows, in_off, send, out_off, recv, out_rows, how)
 
     args = (rows_NxD, input_offsets, send_sizes, output_offsets, recv_sizes)
-    if how.platform is None:
+    if not how.in_stage:
         return jax.lax.platform_dependent(*args, cpu=emulated, default=native)
     return emulated(*args) if how.platform == "cpu" else native(*args)
 
@@ -217,14 +220,17 @@ def _exchange_bwd(out_rows, ep, how, residuals, d_out):
 _exchange.defvjp(_exchange_fwd, _exchange_bwd)
 
 
-def _count_at_most(sorted_N, v_M):
-    """[M] int32: how many of sorted_N are <= each v (jnp.searchsorted(side='right')), by compare and count: jax's
-    searchsorted (every method, jax 0.10-0.12) mis-types its result's varying mesh axes under the pipeline's vmap
-    over stages inside the dispatch shard_map. N is small here (local experts, expert-parallel devices)."""
-    return jnp.sum(v_M[:, None] >= sorted_N[None, :], axis=1, dtype=jnp.int32)
+def _count_at_most(sorted_N, v_M, in_stage: bool):
+    """[M] int32: how many of sorted_N are <= each v (jnp.searchsorted(side='right')). Inside pipeline stages by
+    compare and count: jax's searchsorted (every method, jax 0.10-0.12) mis-types its result's varying mesh axes
+    under the pipeline's vmap over stages inside the dispatch shard_map. Elsewhere searchsorted itself: XLA:CPU
+    kept the compare's [M, N] intermediates (+17% peak memory on a dropless test program)."""
+    if in_stage:
+        return jnp.sum(v_M[:, None] >= sorted_N[None, :], axis=1, dtype=jnp.int32)
+    return jnp.searchsorted(sorted_N, v_M, side="right").astype(jnp.int32)
 
 
-def _tile_plan(expert_R, n_local: int, tile: int, n_slots: int):
+def _tile_plan(expert_R, n_local: int, tile: int, n_slots: int, in_stage: bool):
     """Rows grouped by expert, each expert's group padded to whole tiles: (slot_R, src_S, tile_expert_N).
     expert_R == n_local marks an empty window row (no slot)."""
     n_rows = expert_R.shape[0]
@@ -237,15 +243,17 @@ def _tile_plan(expert_R, n_local: int, tile: int, n_slots: int):
     slot_sorted = jnp.where(e_sorted < n_local, padded_start[e_sorted] + rank_sorted, n_slots)
     slot_R = slot_sorted[jnp.argsort(order_R)].astype(jnp.int32)  # inverse permutation by sort, not scatter
     s = jnp.arange(n_slots, dtype=jnp.int32)
-    group_S = jnp.clip(_count_at_most(padded_start[:n_local], s) - 1, 0, n_local - 1)
+    group_S = jnp.clip(_count_at_most(padded_start[:n_local], s, in_stage) - 1, 0, n_local - 1)
     rank_S = s - padded_start[group_S]
     filled = rank_S < counts_L[group_S]
     src_S = jnp.where(filled, order_R[jnp.minimum(starts[group_S] + rank_S, n_rows - 1)], n_rows).astype(jnp.int32)
     return slot_R, src_S, group_S[::tile]
 
 
-def window_expert_ffn(x_RxD, expert_R, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, gemm: str, ffn_axis):
-    """The local experts' SwiGLU over a window of rows in any order; expert_R == n_local rows come out zero."""
+def window_expert_ffn(x_RxD, expert_R, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, gemm: str, ffn_axis,
+                      in_stage: bool = False):
+    """The local experts' SwiGLU over a window of rows in any order; expert_R == n_local rows come out zero.
+    in_stage: traced inside pipeline stages (How)."""
     n_rows, n_local = x_RxD.shape[0], w_gate_ExDxF.shape[0]
     # Outputs go back to window order by dispatch_rows through the inverse permutation: a gather both ways that,
     # unlike a weighted combine, keeps no copy of the outputs for the backward.
@@ -262,7 +270,7 @@ def window_expert_ffn(x_RxD, expert_R, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *
     # window plus under one tile per expert, not every expert padded to the window.
     tile = tile_rows(n_rows, n_local)
     n_slots = -(-(n_rows + n_local * (tile - 1)) // tile) * tile
-    slot_R, src_S, tile_expert_N = _tile_plan(expert_R, n_local, tile, n_slots)
+    slot_R, src_S, tile_expert_N = _tile_plan(expert_R, n_local, tile, n_slots, in_stage)
     x_NxMxD = dispatch_rows(x_RxD, slot_R, src_S, 1).reshape(n_slots // tile, tile, -1)
     y_NxMxD = grouped_gemm.tiled_expert_ffn(x_NxMxD, tile_expert_N, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD,
                                             ffn_axis=ffn_axis)
@@ -286,11 +294,12 @@ def _round(lo, rows_AxD, w_gate, w_up, w_down, ex: Exchange, *, window: int, ep:
     x_WxD = _exchange(rows_AxD, there, back, window, ep, how)
     # Each window row's local expert: source p's rows are sorted by expert, ending at recv_ends_PxL[p].
     g_W = lo + jnp.arange(window, dtype=jnp.int32)
-    source_W = jnp.clip(_count_at_most(ex.recv_offsets_P, g_W) - 1, 0, ep - 1)
+    source_W = jnp.clip(_count_at_most(ex.recv_offsets_P, g_W, how.in_stage) - 1, 0, ep - 1)
     pos_W = g_W - ex.recv_offsets_P[source_W]
     expert_W = jnp.sum(pos_W[:, None] >= ex.recv_ends_PxL[source_W], axis=1).astype(jnp.int32)
     expert_W = jnp.where(pos_W < ex.recv_sizes_P[source_W], expert_W, n_local)
-    y_WxD = window_expert_ffn(x_WxD, expert_W, w_gate, w_up, w_down, gemm=gemm, ffn_axis=ffn_axis)
+    y_WxD = window_expert_ffn(x_WxD, expert_W, w_gate, w_up, w_down, gemm=gemm, ffn_axis=ffn_axis,
+                              in_stage=how.in_stage)
     return _exchange(y_WxD, back, there, n_assign, ep, how)
 
 
