@@ -30,9 +30,9 @@ from moejax.parallel.mesh import constrain, current_mesh, inside_stage
 from moejax.parallel.pipeline import (circular_pipeline, layer_slots, merge_micro_batches, micro_batches,
                                       slot_is_layer, to_chunks)
 
-# The pipelined MoE stack's layer dim is split over the `stage` mesh axis; with virtual stages it is stored as
-# [virtual_stages, layers / virtual_stages] (repeat r, layer k = layer r * L / V + k), so each stage's chunks are a
-# contiguous slice of dim 1 and the element order stays the layer order.
+# The pipelined MoE stack's layer dim is split over the `stage` mesh axis; with virtual stages or an uneven split it is
+# stored in chunk slots [V, S C] (moe_stack_layout: repeat r, stage s, slot j at [r, s C + j]), so each stage's chunks
+# are a contiguous slice of dim 1.
 STAGE_LAYERS_AXIS_METADATA = {nnx.PARTITION_NAME: "stage_layers", "logical_axes": "stage_layers"}
 
 ACT_BxLxD = ("batch", "seq", "act_embed")
