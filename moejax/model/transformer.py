@@ -27,8 +27,8 @@ from moejax.model.layers import LAYERS_AXIS_METADATA, MLP, Embed, RMSNorm, dtype
 from moejax.model.moe import MoE, MoEStats, combine_micro_stats
 from moejax.model.rope import segment_positions
 from moejax.parallel.mesh import constrain, current_mesh, inside_stage
-from moejax.parallel.pipeline import (circular_pipeline, layer_slots, merge_micro_batches, micro_batches,
-                                      slot_is_layer, to_chunks)
+from moejax.parallel.pipeline import (chunk_slots, circular_pipeline, layer_slots, merge_micro_batches,
+                                      micro_batches, slot_is_layer, to_chunks)
 
 # The pipelined MoE stack's layer dim is split over the `stage` mesh axis; with virtual stages or an uneven split it is
 # stored in chunk slots [V, S C] (moe_stack_layout: repeat r, stage s, slot j at [r, s C + j]), so each stage's chunks
@@ -112,6 +112,16 @@ class StackLayout(NamedTuple):
     def n_slots(self) -> int:
         return int(np.prod(self.lead))
 
+    def to_slots(self, a_LxR):
+        """[L, ...] in layer order -> lead + [...]: layer l at slot slots[l], zeros in the identity slots."""
+        rest = a_LxR.shape[1:]
+        padded = jnp.zeros((self.n_slots, *rest), a_LxR.dtype).at[np.asarray(self.slots)].set(a_LxR)
+        return padded.reshape(*self.lead, *rest)
+
+    def from_slots(self, a, axis: int = 0):
+        """An array with the n_slots slots flat at `axis` -> the layers there, in layer order (identity slots out)."""
+        return jnp.take(a, np.asarray(self.slots), axis=axis)
+
 
 def moe_stack_layout(cfg) -> StackLayout:
     """The MoE stack's storage for this config: [L] without stages and for an even split without virtual stages (the
@@ -121,19 +131,17 @@ def moe_stack_layout(cfg) -> StackLayout:
     if stages <= 1 or n_moe == 0:
         return StackLayout((n_moe,), tuple(range(n_moe)))
     slots = tuple(int(i) for i in layer_slots(n_moe, stages, virtual))
-    n_slots = slot_is_layer(n_moe, stages, virtual).size
+    n_slots = chunk_slots(n_moe, stages, virtual) * stages * virtual
     lead = (n_slots,) if virtual == 1 else (virtual, n_slots // virtual)
     return StackLayout(lead, slots)
 
 
 def _to_slots(blocks, layout: StackLayout):
-    """Stacked [L, ...] variables -> layout.lead + [...]: layer l at slot layout.slots[l], zeros in the identity
-    slots, a leading 'repeat' name with virtual stages (same layer order)."""
+    """Stacked [L, ...] variables -> layout.lead + [...] (StackLayout.to_slots), a leading 'repeat' name with virtual
+    stages."""
     for _, var in nnx.iter_graph(blocks):
         if isinstance(var, nnx.Variable):
-            value = var.get_value()
-            padded = jnp.zeros((layout.n_slots, *value.shape[1:]), value.dtype).at[np.asarray(layout.slots)].set(value)
-            var.set_value(padded.reshape(*layout.lead, *value.shape[1:]))
+            var.set_value(layout.to_slots(var.get_value()))
             if len(layout.lead) > 1:
                 var.set_metadata(logical_axes=("repeat", *var.get_metadata()["logical_axes"]))
 
@@ -256,9 +264,7 @@ class Transformer(nnx.Module):
         load = tokens_per_expert_LxE.astype(jnp.float32)
         step_LxE = rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
         bias = self.moe_layers.ffn.router.bias_E  # stored in the stack's slots (moe_stack_layout)
-        step_SxE = jnp.zeros((self.stack_layout.n_slots, step_LxE.shape[-1]), step_LxE.dtype)
-        step_SxE = step_SxE.at[np.asarray(self.stack_layout.slots)].set(step_LxE[: self.n_moe])
-        bias[...] = bias[...] + step_SxE.reshape(bias.shape)
+        bias[...] = bias[...] + self.stack_layout.to_slots(step_LxE[: self.n_moe])
         for k, module in enumerate(self.mtp):
             mtp_bias = module.block.ffn.router.bias_E
             mtp_bias[...] = mtp_bias[...] + step_LxE[self.n_moe + k]
@@ -347,7 +353,8 @@ class Transformer(nnx.Module):
             if a is None:
                 return None
             a = a[take].reshape(rounds, n_stages, *a.shape[1:]).swapaxes(0, 1)
-            return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, P("stage", *[P.UNCONSTRAINED] * (a.ndim - 1))))
+            spec = P("stage", *[P.UNCONSTRAINED] * (a.ndim - 1))
+            return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, spec))
 
         def in_order(a):  # [S, rounds, ...] -> [M, ...]
             return a.swapaxes(0, 1).reshape(rounds * n_stages, *a.shape[2:])[:n_micro]
@@ -398,8 +405,8 @@ class Transformer(nnx.Module):
                                                      tick_policy=_tick_policy(self.remat) if self.virtual_stages > 1 else None)
         y_MxBxLxD = constrain(y_MxBxLxD, (None, *ACT_BxLxD))
         # [V, S, M, C, ...] -> [M, slots, ...] -> [M, L, ...] in layer order (an uneven split's identity slots left out)
-        stats_MxL = jax.tree.map(lambda a: jnp.moveaxis(a, 2, 0).reshape(n_micro, -1, *a.shape[4:])[
-            :, np.asarray(self.stack_layout.slots)], stats_VxSxMxC)
+        stats_MxL = jax.tree.map(lambda a: self.stack_layout.from_slots(
+            jnp.moveaxis(a, 2, 0).reshape(n_micro, -1, *a.shape[4:]), axis=1), stats_VxSxMxC)
 
         mtp_h_MxDx, mtp_stats_Mx = (None, None)
         if len(self.mtp):

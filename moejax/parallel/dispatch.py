@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from moejax.kernels import grouped_gemm
 from moejax.parallel import dropless
-from moejax.parallel.mesh import EXPERT_AXIS, FFN_AXIS, FSDP_AXIS, STAGE_AXIS, batch_axes, current_mesh
+from moejax.parallel.mesh import EXPERT_AXIS, FFN_AXIS, FSDP_AXIS, batch_axes, current_mesh, inside_pipeline_stage
 from moejax.parallel.routing_plan import combine_rows, dispatch_rows, make_plan
 
 
@@ -220,7 +220,7 @@ def routed_experts(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF
         return body_fn(x, idx, w, w_gate, w_up, w_down, n_experts=n_experts, ep=ep, capacity=capacity, gemm=gemm,
                        drop_policy=drop_policy, collective=True, ffn_axis=ffn_axis)
 
-    in_stage = mesh.shape.get(STAGE_AXIS, 1) > 1 and STAGE_AXIS not in batch_axes()
+    in_stage = inside_pipeline_stage(mesh)
     return jax.shard_map(
         body, mesh=mesh, in_specs=(tokens, tokens, tokens, w_in, w_in, w_out),
         out_specs=(tokens, stats_spec), check_vma=not (in_stage and mode == "dropless"),

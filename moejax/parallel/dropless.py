@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.kernels import fp8, grouped_gemm
-from moejax.parallel.mesh import EXPERT_AXIS, STAGE_AXIS, batch_axes
+from moejax.parallel.mesh import EXPERT_AXIS, batch_axes, inside_pipeline_stage
 from moejax.parallel.routing_plan import combine_rows, dispatch_rows
 
 
@@ -89,7 +89,7 @@ def trace_how() -> How:
     mesh = jax.sharding.get_abstract_mesh()
     device = getattr(mesh, "abstract_device", None)
     platform = None if device is None else ("gpu" if device.platform in ("gpu", "cuda", "rocm") else device.platform)
-    in_stage = not mesh.empty and mesh.shape.get(STAGE_AXIS, 1) > 1 and STAGE_AXIS not in batch_axes()
+    in_stage = not mesh.empty and inside_pipeline_stage(mesh)
     if in_stage and platform is None:
         raise ValueError("dropless dispatch inside pipeline stages needs the mesh's device platform (a mesh of "
                          "devices under jax.set_mesh); the abstract mesh here names none")

@@ -48,6 +48,11 @@ def batch_axes() -> tuple[str, ...]:
     return BATCH_AXES if _INSIDE_STAGE.get() else (*BATCH_AXES, STAGE_AXIS)
 
 
+def inside_pipeline_stage(mesh) -> bool:
+    """Traced inside the pipeline's stages (mesh.stage > 1 and inside_stage()): under its vmap over `stage`."""
+    return mesh.shape.get(STAGE_AXIS, 1) > 1 and STAGE_AXIS not in batch_axes()
+
+
 LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     # activations
     "batch": BATCH_AXES,  # resolved by batch_axes() where it is used (logical_to_spec)

@@ -4,7 +4,8 @@ under `jax.vmap(spmd_axis_name=axis)` (each device computes its own stage), and 
 hands activations to the next stage (XLA: a collective-permute).
 
 Layers are split into S stages x V virtual stages (repeats): chunk k = r * S + s (stage s, repeat r) holds the
-next layers in layer order, so stage s holds V chunks and a micro-batch goes round the ring of stages V times (MaxText's circular pipeline; Megatron's interleaved
+next layers in layer order, so stage s holds V chunks and a micro-batch goes round the ring of stages V times
+(MaxText's circular pipeline; Megatron's interleaved
 schedule places chunks the same way). With M micro-batches, stage s works at tick t on item i = t - s: repeat
 i // M, micro-batch i % M; the schedule has M x V + S - 1 ticks, of which each stage idles S - 1 (the bubble,
 (S - 1) / (M x V) of the useful ticks). The last stage's output of repeat r < V - 1 arrives at stage 0 before

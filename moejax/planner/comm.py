@@ -17,9 +17,10 @@ The rules, per step (n_micro passes of forward + backward; layers' collectives r
   tensor           a weight whose input dim is split over tensor (row-parallel) all-reduces its output in the
                    forward (and its recompute); one whose output dim is split (column-parallel) all-reduces
                    its input gradient in the backward. Rows: the device's tokens, or E*C for expert weights
-  pipeline stages  (layout.stage > 1, parallel/pipeline.py) each of the M V + S - 1 ticks runs one chunk of ceil(L / (S V))
-                   MoE layers per stage and hands one micro-batch's activations to the next stage (collective-
-                   permute over `stage`, forward and backward), the last stage's outputs reach every stage once; the MoE stack's collectives above (gathers and
+  pipeline stages  (layout.stage > 1, parallel/pipeline.py) each of the M V + S - 1 ticks runs one chunk of
+                   ceil(L / (S V)) MoE layers per stage and hands one micro-batch's activations to the next stage
+                   (collective-permute over `stage`, forward and backward), the last stage's outputs reach every
+                   stage once; the MoE stack's collectives above (gathers and
                    gradient sums included) run per tick for a chunk; the rest of the model runs in one pass on the
                    stage's 1/S of the local rows (MTP: each stage every S-th micro-batch's pass), its gradients
                    summed once per step (over `stage` too); the rows are all-gathered over `stage` into the pipeline

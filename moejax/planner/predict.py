@@ -119,7 +119,8 @@ def predict(cfg, topo: Topology, layout: Layout, *, efficiency: float, domain_si
 
 def stage_terms(cfg, layout: Layout, seq: int) -> tuple[float, float]:
     """(bubble, device FLOPs over model FLOPs / n) of the layout's pipeline stages: the pipelined share stretched by
-    the bubble and by an uneven split's identity slots (S V C / L), the MTP passes split over the stages by micro-batch (ceil(M / S) per stage), the rest (embedding, dense layers, heads, loss) split
+    the bubble and by an uneven split's identity slots (S V C / L), the MTP passes split over the stages by
+    micro-batch (ceil(M / S) per stage), the rest (embedding, dense layers, heads, loss) split
     over the stages like the batch."""
     if layout.stage <= 1:
         return 0.0, 1.0
@@ -246,8 +247,9 @@ def assumptions(topo: Topology, efficiency: float, domain_size: int, cfg=None, *
         "micro-batch below the per-device batch means gradient accumulation: run it with "
         "train.micro_batches = per-device batch / micro-batch (each pass re-gathers fsdp weights)",
         "pipeline stages (stage > 1, circular schedule as moejax runs it): MoE-layer compute x S V C / L (an uneven "
-        "split's identity slots, C = ceil(L / (S V))) x (1 + bubble), bubble (S - 1) / (M V); embedding, dense layers, heads and loss split over the stages with the batch (the rows "
-        "gathered over `stage` where the pipeline starts), MTP passes split over the stages by micro-batch; one micro-batch's "
+        "split's identity slots, C = ceil(L / (S V))) x (1 + bubble), bubble (S - 1) / (M V); embedding, dense "
+        "layers, heads and loss split over the stages with the batch (the rows gathered over `stage` where the "
+        "pipeline starts), MTP passes split over the stages by micro-batch; one micro-batch's "
         "activations per tick to the next stage and back (on the NICs when stages take whole NVLink domains), waited "
         "on; every tick's residuals kept until the backward (all M micro-batches: GPipe memory, not 1F1B's)",
         "not modelled: 1F1B / zero-bubble schedules (moejax runs the circular one), "

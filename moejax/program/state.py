@@ -10,7 +10,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -100,10 +99,8 @@ def restack(state: TrainState, abstract, shardings, mesh: Mesh, saved_like, cfg)
     def move(a, path, target):
         if "moe_layers" not in jax.tree_util.keystr(path):
             return a.reshape(target.shape)
-        rest = a.shape[len(saved.lead):]
-        layers_LxR = a.reshape(saved.n_slots, *rest)[np.asarray(saved.slots)]
-        slots = jnp.zeros((wanted.n_slots, *rest), a.dtype).at[np.asarray(wanted.slots)].set(layers_LxR)
-        return slots.reshape(target.shape)
+        layers_LxR = saved.from_slots(a.reshape(saved.n_slots, *a.shape[len(saved.lead):]))
+        return wanted.to_slots(layers_LxR).reshape(target.shape)
 
     def restacked(leaves):
         return treedef.unflatten([move(a, path, t) for a, (path, t) in zip(leaves, paths_targets, strict=True)])
