@@ -219,8 +219,12 @@ def test_fp8_config_errors_before_compile():
     c.moe.dispatch, c.kernels.expert_gemm = "dropless", "tokamax"
     with pytest.raises(ConfigError, match="FP8 expert GEMM"):
         resolve_kernels(c, "gpu", 9.0)
+    c.kernels.expert_gemm = "tile_loop"
+    with pytest.raises(ConfigError, match="FP8 expert GEMM"):
+        resolve_kernels(c, "cpu")
     c.kernels.expert_gemm = "auto"
     assert resolve_kernels(c, "gpu", 9.0)["expert_gemm"] == "einsum"  # auto: the FP8 (qwix einsum) expert GEMM
+    assert resolve_kernels(c, "cpu")["expert_gemm"] == "einsum"  # not the tile loop, which has no FP8 path
     assert resolve_kernels(_fp8_config("mxfp8"), "gpu", 10.3)["expert_gemm"] == "einsum"
 
 

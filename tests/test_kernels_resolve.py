@@ -31,6 +31,7 @@ def test_auto_on_cpu_and_gpu(monkeypatch):
     assert resolve.resolve_kernels(c, "cpu") == {"attention": "xla", "expert_gemm": "einsum", "loss": "chunked"}
     monkeypatch.setattr(resolve, "tokamax_available", lambda: True)
     c.moe.dispatch = "dropless"
+    assert resolve.resolve_kernels(c, "cpu")["expert_gemm"] == "tile_loop"  # ragged groups: skip the empty tiles
     assert resolve.resolve_kernels(c, "gpu") == {"attention": "tokamax_mosaic", "expert_gemm": "tokamax",
                                                  "loss": "chunked"}
     monkeypatch.setattr(resolve, "tokamax_available", lambda: False)

@@ -57,6 +57,11 @@ def test_planner_agrees_with_the_compiled_step(devices, layout):
 def dropless_config():
     c = medium_config(2, 1, 4, 1)
     c.moe.dispatch = "dropless"
+    # The static tiles, not CPU's default tile loop: with the loop XLA:CPU allocates 133.3 MB for a program whose
+    # live peak is 101.7 MB (its buffer assignment's live ranges; the planner says 103.7): the allocation's
+    # fragmentation, which no per-tensor model predicts. With the static tiles the allocation is 133.0 MB over a
+    # 122.7 MB peak.
+    c.kernels.expert_gemm = "einsum"
     return c
 
 

@@ -20,7 +20,7 @@ DISPATCH_MODES = ("capacity", "allgather", "dropless")
 DROP_POLICIES = ("position", "probability")
 # Kernels (moejax/kernels/): `auto` resolves from the platform of the mesh's devices (kernels.resolve).
 ATTENTION_KERNELS = ("auto", "xla", "cudnn", "tokamax_mosaic", "tokamax_triton")
-EXPERT_GEMM_KERNELS = ("auto", "einsum", "ragged_dot", "tokamax")
+EXPERT_GEMM_KERNELS = ("auto", "einsum", "tile_loop", "ragged_dot", "tokamax")
 LOSS_KERNELS = ("auto", "dense", "chunked")
 REMAT_POLICIES = ("none", "full", "dots")
 ATTENTION_KINDS = ("gqa", "mla")  # gqa covers MHA (n_kv_heads == n_heads); mla is DeepSeek's latent attention
@@ -108,7 +108,7 @@ def default_config() -> ml_collections.ConfigDict:
     # at start and written resolved into WORKDIR/config.json; a kernel the platform cannot run is a ConfigError.
     c.kernels = k = ml_collections.ConfigDict()
     k.attention = "auto"  # cpu: xla; gpu: tokamax_mosaic (flash attention, MLA's 192/128 head dims, segments)
-    k.expert_gemm = "auto"  # equal groups (capacity, allgather): einsum; dropless: tokamax on gpu, einsum on cpu
+    k.expert_gemm = "auto"  # equal groups (capacity, allgather): einsum; dropless: tokamax on gpu, tile_loop on cpu
     k.loss = "auto"  # chunked: LM head + cross-entropy per chunk, no [B, L, V] logits; dense: whole logits
     k.loss_chunk = 512  # chunked loss: sequence positions of every row per chunk
 

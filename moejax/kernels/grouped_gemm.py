@@ -7,6 +7,10 @@
   ragged_dot  `lax.ragged_dot` over rows sorted by expert. XLA:CPU runs it as a masked dense matmul over all
               groups (E times the work) and XLA:GPU rewrites it into dense dots too, so it is refused on GPU;
               on CPU it is the reference for the ragged path.
+  tile_loop   ragged (dropless) groups as the same block-diagonal tiles, multiplied in a while loop that runs
+              only the tiles holding rows (`looped_expert_ffn`): the work follows the step's load, not the
+              receive window (XLA:CPU, where a loop iteration costs microseconds; dropless on CPU). Equal groups
+              (capacity, allgather) run as `einsum`.
   tokamax     tokamax's grouped GEMM (`tokamax.ragged_dot`, Mosaic GPU kernels for sm90 / sm100): work in
               proportion to the rows present, for dropless dispatch.
 """
@@ -129,10 +133,92 @@ def tiled_expert_ffn(x_NxMxD, tile_expert_N, w_gate_ExDxF, w_up_ExDxF, w_down_Ex
     return jax.lax.psum(y_NxMxD, ffn_axis) if ffn_axis else y_NxMxD
 
 
+def _varying_all(*arrays) -> frozenset:
+    return frozenset().union(*(_varying(a) for a in arrays))
+
+
+def _float0(a):
+    return np.zeros(a.shape, dtype=jax.dtypes.float0)
+
+
+@jax.custom_vjp
+def _looped_ffn(x_SxD, tile_expert_N, n_used, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD):
+    return _looped_fwd(x_SxD, tile_expert_N, n_used, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)[0]
+
+
+def _looped_fwd(x_SxD, tile_expert_N, n_used, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD):
+    """Tiles 0 .. n_used-1 through their experts; the outputs of the other tiles stay zero. Keeps the gate and up
+    projections for the backward (the GEMMs' own residuals, as autodiff of the einsum path keeps them)."""
+    n_slots, d_model = x_SxD.shape
+    tile = n_slots // tile_expert_N.shape[0]
+    d_ff = w_gate_ExDxF.shape[2]
+
+    def body(n, carry):
+        y_SxD, gate_SxF, up_SxF = carry
+        e, at = tile_expert_N[n], n * tile
+        x_MxD = jax.lax.dynamic_slice_in_dim(x_SxD, at, tile)
+        gate_MxF, up_MxF = x_MxD @ w_gate_ExDxF[e], x_MxD @ w_up_ExDxF[e]
+        y_MxD = (jax.nn.silu(gate_MxF) * up_MxF) @ w_down_ExFxD[e]
+        return tuple(jax.lax.dynamic_update_slice_in_dim(buf, tile_value, at, 0)
+                     for buf, tile_value in zip(carry, (y_MxD, gate_MxF, up_MxF)))
+
+    # Loop carries are typed like everything the body mixes into them (shard_map's varying axes).
+    axes = _varying_all(x_SxD, tile_expert_N, n_used, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
+    zeros = tuple(_mark_varying(jnp.zeros(shape, x_SxD.dtype), axes)
+                  for shape in ((n_slots, d_model), (n_slots, d_ff), (n_slots, d_ff)))
+    y_SxD, gate_SxF, up_SxF = jax.lax.fori_loop(0, n_used, body, zeros)
+    return y_SxD, (x_SxD, tile_expert_N, n_used, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, gate_SxF, up_SxF)
+
+
+def _looped_bwd(residuals, dy_SxD):
+    x_SxD, tile_expert_N, n_used, w_gate, w_up, w_down, gate_SxF, up_SxF = residuals
+    tile = x_SxD.shape[0] // tile_expert_N.shape[0]
+    f32 = jnp.float32
+
+    def body(n, carry):
+        dx_SxD, d_w_gate, d_w_up, d_w_down = carry
+        e, at = tile_expert_N[n], n * tile
+        x_MxD, dy_MxD, gate_MxF, up_MxF = (jax.lax.dynamic_slice_in_dim(a, at, tile)
+                                           for a in (x_SxD, dy_SxD, gate_SxF, up_SxF))
+        sig_MxF = jax.nn.sigmoid(gate_MxF)
+        silu_MxF = gate_MxF * sig_MxF
+        dh_MxF = dy_MxD @ w_down[e].T
+        d_gate_MxF = dh_MxF * up_MxF * sig_MxF * (1 + gate_MxF * (1 - sig_MxF))  # silu'(g) = s (1 + g (1 - s))
+        d_up_MxF = dh_MxF * silu_MxF
+        dx_MxD = d_gate_MxF @ w_gate[e].T + d_up_MxF @ w_up[e].T
+        # Weight gradients accumulate over an expert's tiles in f32 (bf16 weights too).
+        d_w_down = d_w_down.at[e].add(jnp.matmul((silu_MxF * up_MxF).T, dy_MxD, preferred_element_type=f32))
+        d_w_gate = d_w_gate.at[e].add(jnp.matmul(x_MxD.T, d_gate_MxF, preferred_element_type=f32))
+        d_w_up = d_w_up.at[e].add(jnp.matmul(x_MxD.T, d_up_MxF, preferred_element_type=f32))
+        return jax.lax.dynamic_update_slice_in_dim(dx_SxD, dx_MxD, at, 0), d_w_gate, d_w_up, d_w_down
+
+    axes = _varying_all(x_SxD, tile_expert_N, n_used, w_gate, w_up, w_down, dy_SxD)
+    init = tuple(_mark_varying(jnp.zeros(a.shape, dtype), axes)
+                 for a, dtype in ((x_SxD, x_SxD.dtype), (w_gate, f32), (w_up, f32), (w_down, f32)))
+    dx_SxD, d_w_gate, d_w_up, d_w_down = jax.lax.fori_loop(0, n_used, body, init)
+    return (_cotangent(dx_SxD, axes, x_SxD), _float0(tile_expert_N), _float0(n_used),
+            *(_cotangent(d.astype(w.dtype), axes, w) for d, w in ((d_w_gate, w_gate), (d_w_up, w_up),
+                                                                  (d_w_down, w_down))))
+
+
+_looped_ffn.defvjp(_looped_fwd, _looped_bwd)
+
+
+def looped_expert_ffn(x_SxD, tile_expert_N, n_used, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, ffn_axis=None):
+    """SwiGLU of the first n_used tiles of x_SxD (S = N tiles x M rows), tile n through expert tile_expert_N[n]'s
+    weights, in a while loop: the block-diagonal grouped GEMM of `tiled_expert_ffn` without the tiles past the
+    load (they hold no row) and without per-tile weight copies. Rows of the other tiles come out zero. The
+    backward is one more loop over the same tiles (its weight gradients summed per expert in place)."""
+    if fp8.active() != "none":  # resolve.py refuses this combination before anything compiles
+        raise ValueError("expert GEMM kernel 'tile_loop' has no FP8 path; FP8 expert GEMMs use kernel 'einsum'")
+    y_SxD = _looped_ffn(x_SxD, tile_expert_N, n_used, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
+    return jax.lax.psum(y_SxD, ffn_axis) if ffn_axis else y_SxD
+
+
 def expert_ffn(x_ExCxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, kernel: str, ffn_axis=None):
     """SwiGLU FFN of each local expert applied to its own C rows (equal groups). With ffn_axis, the weights hold
     this device's slice of the FFN dim, and the partial outputs are summed over that mesh axis."""
-    if kernel == "einsum":
+    if kernel in ("einsum", "tile_loop"):  # equal groups: one batched GEMM, nothing for a loop to skip
         y_ExCxD = _einsum_ffn(x_ExCxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
         return jax.lax.psum(y_ExCxD, ffn_axis) if ffn_axis else y_ExCxD
     n_experts, capacity, d_model = x_ExCxD.shape

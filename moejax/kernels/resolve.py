@@ -101,15 +101,19 @@ def _expert_gemm(cfg, platform: str, compute_capability: float | None = None) ->
     ragged = cfg.moe.dispatch == "dropless"
     if cfg.model.get("fp8", "none") != "none":
         # FP8 expert GEMMs are qwix-quantised einsums (kernels/fp8.py); the ragged kernels take no FP8 here.
-        if kernel in ("tokamax", "ragged_dot"):
+        if kernel in ("tokamax", "ragged_dot", "tile_loop"):
             raise ConfigError(f"kernels.expert_gemm={kernel!r} with model.fp8={cfg.model.fp8!r}: the FP8 expert GEMM is "
                               "the einsum one (qwix); use kernels.expert_gemm='einsum' or 'auto'")
         return "einsum"
     if kernel == "auto":
         # Capacity and allgather buffers are [E_local, C, D] with equal groups: a batched GEMM (cuBLAS on GPU)
-        # is the grouped GEMM, with no wasted work. Dropless groups are ragged: on GPU a grouped-GEMM kernel.
-        if not (ragged and platform == "gpu"):
+        # is the grouped GEMM, with no wasted work. Dropless groups are ragged: on GPU a grouped-GEMM kernel; on
+        # CPU the tile loop, which skips the window's empty tiles (a loop iteration costs microseconds there; on
+        # GPU it would serialise small kernels).
+        if not ragged:
             return "einsum"
+        if platform != "gpu":
+            return "tile_loop"
         if compute_capability is not None and compute_capability >= 10:
             # tokamax's Blackwell grouped GEMM cannot run inside shard_map (below): the block-diagonal tiled einsum
             # (dropless.window_expert_ffn: batched GEMMs over 256-row tiles, each with its expert's weights).

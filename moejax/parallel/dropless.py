@@ -54,9 +54,10 @@ def overflow_window_rows(window: int, multiple: int = 8) -> int:
 
 
 def tile_rows(window: int, n_local: int) -> int:
-    """Rows per tile of the einsum grouped GEMM (each expert's rows padded to whole tiles): 256 (measured on CPU,
-    benchmarks/moe_layer.py: 128-row tiles spend more on the per-tile weight gather, 512 on padding), smaller
-    for small windows so the padding (< n_local tiles) stays a fraction of the window."""
+    """Rows per tile of the einsum and tile_loop grouped GEMMs (each expert's rows padded to whole tiles): 256
+    (measured on CPU, benchmarks/moe_layer.py: 128-row tiles spend more on the per-tile weight gather, 512 on
+    padding; the tile_loop at 16 experts top-4: 1.39x / 1.32x / 1.34x ideal at 128 / 256 / 512), smaller for
+    small windows so the padding (< n_local tiles) stays a fraction of the window."""
     return int(min(256, max(8, -(-(window // (4 * n_local)) // 8) * 8)))
 
 
@@ -231,8 +232,8 @@ def _count_at_most(sorted_N, v_M, in_stage: bool):
 
 
 def _tile_plan(expert_R, n_local: int, tile: int, n_slots: int, in_stage: bool):
-    """Rows grouped by expert, each expert's group padded to whole tiles: (slot_R, src_S, tile_expert_N).
-    expert_R == n_local marks an empty window row (no slot)."""
+    """Rows grouped by expert, each expert's group padded to whole tiles: (slot_R, src_S, tile_expert_N, n_used):
+    the tiles holding rows are the first n_used. expert_R == n_local marks an empty window row (no slot)."""
     n_rows = expert_R.shape[0]
     counts_L = jnp.bincount(expert_R, length=n_local + 1)[:n_local].astype(jnp.int32)
     starts = _excl_cumsum(jnp.concatenate([counts_L, jnp.zeros((1,), jnp.int32)]))  # [L + 1]
@@ -247,7 +248,7 @@ def _tile_plan(expert_R, n_local: int, tile: int, n_slots: int, in_stage: bool):
     rank_S = s - padded_start[group_S]
     filled = rank_S < counts_L[group_S]
     src_S = jnp.where(filled, order_R[jnp.minimum(starts[group_S] + rank_S, n_rows - 1)], n_rows).astype(jnp.int32)
-    return slot_R, src_S, group_S[::tile]
+    return slot_R, src_S, group_S[::tile], padded_start[n_local] // tile
 
 
 def window_expert_ffn(x_RxD, expert_R, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, gemm: str, ffn_axis,
@@ -270,11 +271,15 @@ def window_expert_ffn(x_RxD, expert_R, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *
     # window plus under one tile per expert, not every expert padded to the window.
     tile = tile_rows(n_rows, n_local)
     n_slots = -(-(n_rows + n_local * (tile - 1)) // tile) * tile
-    slot_R, src_S, tile_expert_N = _tile_plan(expert_R, n_local, tile, n_slots, in_stage)
-    x_NxMxD = dispatch_rows(x_RxD, slot_R, src_S, 1).reshape(n_slots // tile, tile, -1)
-    y_NxMxD = grouped_gemm.tiled_expert_ffn(x_NxMxD, tile_expert_N, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD,
-                                            ffn_axis=ffn_axis)
-    return dispatch_rows(y_NxMxD.reshape(n_slots, -1), src_S, slot_R, 1)
+    slot_R, src_S, tile_expert_N, n_used = _tile_plan(expert_R, n_local, tile, n_slots, in_stage)
+    x_SxD = dispatch_rows(x_RxD, slot_R, src_S, 1)
+    weights = (w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
+    if gemm == "tile_loop":  # only the n_used tiles that hold rows: the work follows the load
+        y_SxD = grouped_gemm.looped_expert_ffn(x_SxD, tile_expert_N, n_used, *weights, ffn_axis=ffn_axis)
+    else:
+        y_SxD = grouped_gemm.tiled_expert_ffn(x_SxD.reshape(n_slots // tile, tile, -1), tile_expert_N, *weights,
+                                              ffn_axis=ffn_axis).reshape(n_slots, -1)
+    return dispatch_rows(y_SxD, src_S, slot_R, 1)
 
 
 def _round(lo, rows_AxD, w_gate, w_up, w_down, ex: Exchange, *, window: int, ep: int, gemm: str, ffn_axis, how: How):

@@ -33,7 +33,8 @@ weight's per-device shard gathered over fsdp (split over expert and tensor as th
 
 Routed experts run as the target platform runs them (`kernels.expert_gemm` auto): on GPU a dropless layer is one
 ragged grouped matmul over the received rows (traced with lax.ragged_dot, whose residuals are the rows, like
-tokamax's kernel); on CPU (the dry run) it is a padded [E_local, rows, D] einsum.
+tokamax's kernel); on CPU (the dry run) it is the tile loop over the window's rows padded per expert to whole
+tiles (its residuals: the tiled rows and their gate and up projections).
 """
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ def trace_config(cfg, *, remat: str, dispatch: str | None = None, platform: str 
         ragged_on_gpu = (c.moe.dispatch == "dropless" and platform in ("gpu", "tpu")
                          and c.model.get("fp8", "none") == "none")
         if c.kernels.expert_gemm == "auto" or c.kernels.expert_gemm == "tokamax":
-            c.kernels.expert_gemm = "ragged_dot" if ragged_on_gpu else "einsum"
+            ragged_on_cpu = c.moe.dispatch == "dropless" and not ragged_on_gpu and c.model.get("fp8", "none") == "none"
+            c.kernels.expert_gemm = "ragged_dot" if ragged_on_gpu else ("tile_loop" if ragged_on_cpu else "einsum")
         # The trace runs in this (CPU) process: a fused GPU attention kernel is traced as XLA's attention with
         # a flash kernel's residuals (no [B, H, L, L] scores kept); on CPU, XLA's reference.
         on_gpu = platform in ("gpu", "tpu") and c.kernels.attention != "xla"
