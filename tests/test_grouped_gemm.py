@@ -1,5 +1,6 @@
-"""The tile-loop grouped GEMM (CPU dropless default) equals the static block-diagonal tiles it skips work of:
-forward and every gradient, tiles past the load left out (zero output, no gradient)."""
+"""The tile-loop grouped GEMM (CPU dropless default) equals each row through its own expert (a per-row dense
+reference): forward and every gradient, whatever the rows' order, with tiles past the load never run and rows
+in no tile left at zero."""
 
 import jax
 import jax.numpy as jnp
@@ -8,37 +9,50 @@ import pytest
 
 from moejax.kernels import grouped_gemm
 
-N_TILES, TILE, D, F, E = 6, 8, 16, 24, 3
+ROWS, TILE, N_TILES, D, F, E = 40, 8, 8, 16, 24, 3
 
 
-def operands(seed):
-    k = jax.random.split(jax.random.key(seed), 5)
-    x_SxD = jax.random.normal(k[0], (N_TILES * TILE, D))
-    weights = tuple(0.3 * jax.random.normal(kk, shape)
-                    for kk, shape in zip(k[1:4], ((E, D, F), (E, D, F), (E, F, D))))
-    cot_SxD = jax.random.normal(k[4], x_SxD.shape)
-    return x_SxD, weights, cot_SxD
+def tiles_for(expert_R):
+    """(src_S, tile_expert_N, n_used): each expert's rows (in row order) padded to whole tiles, experts in order;
+    padding slots hold ROWS. expert_R == E: a row in no tile. The tiles past the load hold real rows with the
+    wrong expert: were they run, those rows' outputs would change."""
+    src, tile_expert = [], []
+    for e in range(E):
+        rows = list(np.flatnonzero(expert_R == e))
+        rows += [ROWS] * (-len(rows) % TILE)
+        src += rows
+        tile_expert += [e] * (len(rows) // TILE)
+    n_used = len(tile_expert)
+    src += [r % ROWS for r in range(N_TILES * TILE - len(src))]
+    tile_expert += [(int(expert_R[0]) + 1) % E] * (N_TILES - n_used)
+    return jnp.asarray(src, jnp.int32), jnp.asarray(tile_expert, jnp.int32), jnp.int32(n_used)
 
 
-@pytest.mark.parametrize("n_used", [6, 4, 0])
-def test_tile_loop_equals_static_tiles_and_skips_the_tiles_past_the_load(n_used):
-    x_SxD, weights, cot_SxD = operands(n_used)
-    tile_expert_N = jnp.array([0, 0, 2, 1, 1, 1], jnp.int32)  # tiles sorted by expert, expert groups of any size
-    used_S = (jnp.arange(N_TILES * TILE) < n_used * TILE)[:, None]
+def reference(x_RxD, expert_R, w_gate, w_up, w_down):
+    e = jnp.minimum(expert_R, E - 1)
+    h = jax.nn.silu(jnp.einsum("rd,rdf->rf", x_RxD, w_gate[e])) * jnp.einsum("rd,rdf->rf", x_RxD, w_up[e])
+    return jnp.where((expert_R < E)[:, None], jnp.einsum("rf,rfd->rd", h, w_down[e]), 0)
+
+
+@pytest.mark.parametrize("load", ["every row", "some rows in no tile", "no row"])
+def test_tile_loop_equals_each_row_through_its_expert(load):
+    rng = np.random.default_rng(len(load))
+    expert_R = {"every row": rng.integers(0, E, ROWS), "some rows in no tile": rng.integers(0, E + 1, ROWS),
+                "no row": np.full(ROWS, E)}[load]
+    src_S, tile_expert_N, n_used = tiles_for(expert_R)
+    assert int(n_used) < N_TILES, "some tiles must lie past the load"
+    k = jax.random.split(jax.random.key(len(load)), 5)
+    x_RxD, cot_RxD = jax.random.normal(k[0], (ROWS, D)), jax.random.normal(k[1], (ROWS, D))
+    weights = tuple(0.3 * jax.random.normal(kk, s) for kk, s in zip(k[2:], ((E, D, F), (E, D, F), (E, F, D))))
 
     def looped(x, *w):
-        return jnp.sum(grouped_gemm.looped_expert_ffn(x, tile_expert_N, jnp.int32(n_used), *w) * cot_SxD)
+        return grouped_gemm.looped_expert_ffn(x, src_S, tile_expert_N, n_used, *w)
 
-    def static(x, *w):  # the reference: every tile through its expert, the unused ones' rows zeroed first
-        y = grouped_gemm.tiled_expert_ffn(jnp.where(used_S, x, 0).reshape(N_TILES, TILE, D), tile_expert_N, *w)
-        return jnp.sum(y.reshape(-1, D) * cot_SxD)
-
-    y = jax.jit(lambda x, *w: grouped_gemm.looped_expert_ffn(x, tile_expert_N, jnp.int32(n_used), *w))(x_SxD, *weights)
-    assert not np.any(np.asarray(y)[n_used * TILE:]), "tiles past the load must come out zero"
-    value, grads = jax.jit(jax.value_and_grad(looped, argnums=(0, 1, 2, 3)))(x_SxD, *weights)
-    ref_value, ref_grads = jax.jit(jax.value_and_grad(static, argnums=(0, 1, 2, 3)))(x_SxD, *weights)
-    np.testing.assert_allclose(value, ref_value, rtol=1e-5, atol=1e-5)
+    y = jax.jit(looped)(x_RxD, *weights)
+    np.testing.assert_allclose(y, reference(x_RxD, jnp.asarray(expert_R), *weights), rtol=1e-5, atol=1e-5)
+    assert not np.any(np.asarray(y)[expert_R == E]), "rows in no tile come out zero"
+    grads = jax.jit(jax.grad(lambda *a: jnp.sum(looped(*a) * cot_RxD), argnums=(0, 1, 2, 3)))(x_RxD, *weights)
+    ref_grads = jax.grad(lambda x, *w: jnp.sum(reference(x, jnp.asarray(expert_R), *w) * cot_RxD),
+                         argnums=(0, 1, 2, 3))(x_RxD, *weights)
     for g, ref in zip(grads, ref_grads):
         np.testing.assert_allclose(g, ref, rtol=1e-5, atol=1e-5)
-    assert not np.any(np.asarray(grads[0])[n_used * TILE:]), "no gradient for rows of tiles past the load"
-

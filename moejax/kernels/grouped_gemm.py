@@ -141,45 +141,52 @@ def _float0(a):
     return np.zeros(a.shape, dtype=jax.dtypes.float0)
 
 
+def _rows_of_tile(src_S, n, tile):
+    return jax.lax.dynamic_slice_in_dim(src_S, n * tile, tile)
+
+
 @jax.custom_vjp
-def _looped_ffn(x_SxD, tile_expert_N, n_used, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD):
-    return _looped_fwd(x_SxD, tile_expert_N, n_used, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)[0]
+def _looped_ffn(x_RxD, src_S, tile_expert_N, n_used, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD):
+    return _looped_fwd(x_RxD, src_S, tile_expert_N, n_used, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)[0]
 
 
-def _looped_fwd(x_SxD, tile_expert_N, n_used, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD):
-    """Tiles 0 .. n_used-1 through their experts; the outputs of the other tiles stay zero. Keeps the gate and up
-    projections for the backward (the GEMMs' own residuals, as autodiff of the einsum path keeps them)."""
-    n_slots, d_model = x_SxD.shape
+def _looped_fwd(x_RxD, src_S, tile_expert_N, n_used, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD):
+    """Tiles 0 .. n_used-1 through their experts: each tile gathers its rows (src_S; n_rows marks padding),
+    and its outputs land back on those rows; rows in no used tile come out zero. Keeps the gate and up
+    projections (slot order) for the backward, as autodiff of the einsum path keeps them."""
+    n_rows, d_model = x_RxD.shape
+    n_slots = src_S.shape[0]
     tile = n_slots // tile_expert_N.shape[0]
     d_ff = w_gate_ExDxF.shape[2]
 
     def body(n, carry):
-        y_SxD, gate_SxF, up_SxF = carry
-        e, at = tile_expert_N[n], n * tile
-        x_MxD = jax.lax.dynamic_slice_in_dim(x_SxD, at, tile)
+        y_RxD, gate_SxF, up_SxF = carry
+        e, at, rows_M = tile_expert_N[n], n * tile, _rows_of_tile(src_S, n, tile)
+        x_MxD = jnp.take(x_RxD, rows_M, axis=0, mode="fill", fill_value=0)
         gate_MxF, up_MxF = x_MxD @ w_gate_ExDxF[e], x_MxD @ w_up_ExDxF[e]
         y_MxD = (jax.nn.silu(gate_MxF) * up_MxF) @ w_down_ExFxD[e]
-        return tuple(jax.lax.dynamic_update_slice_in_dim(buf, tile_value, at, 0)
-                     for buf, tile_value in zip(carry, (y_MxD, gate_MxF, up_MxF)))
+        return (y_RxD.at[rows_M].set(y_MxD, mode="drop", unique_indices=True),
+                jax.lax.dynamic_update_slice_in_dim(gate_SxF, gate_MxF, at, 0),
+                jax.lax.dynamic_update_slice_in_dim(up_SxF, up_MxF, at, 0))
 
     # Loop carries are typed like everything the body mixes into them (shard_map's varying axes).
-    axes = _varying_all(x_SxD, tile_expert_N, n_used, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
-    zeros = tuple(_mark_varying(jnp.zeros(shape, x_SxD.dtype), axes)
-                  for shape in ((n_slots, d_model), (n_slots, d_ff), (n_slots, d_ff)))
-    y_SxD, gate_SxF, up_SxF = jax.lax.fori_loop(0, n_used, body, zeros)
-    return y_SxD, (x_SxD, tile_expert_N, n_used, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, gate_SxF, up_SxF)
+    axes = _varying_all(x_RxD, src_S, tile_expert_N, n_used, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
+    zeros = tuple(_mark_varying(jnp.zeros(shape, x_RxD.dtype), axes)
+                  for shape in ((n_rows, d_model), (n_slots, d_ff), (n_slots, d_ff)))
+    y_RxD, gate_SxF, up_SxF = jax.lax.fori_loop(0, n_used, body, zeros)
+    return y_RxD, (x_RxD, src_S, tile_expert_N, n_used, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, gate_SxF, up_SxF)
 
 
-def _looped_bwd(residuals, dy_SxD):
-    x_SxD, tile_expert_N, n_used, w_gate, w_up, w_down, gate_SxF, up_SxF = residuals
-    tile = x_SxD.shape[0] // tile_expert_N.shape[0]
+def _looped_bwd(residuals, dy_RxD):
+    x_RxD, src_S, tile_expert_N, n_used, w_gate, w_up, w_down, gate_SxF, up_SxF = residuals
+    tile = src_S.shape[0] // tile_expert_N.shape[0]
     f32 = jnp.float32
 
     def body(n, carry):
-        dx_SxD, d_w_gate, d_w_up, d_w_down = carry
-        e, at = tile_expert_N[n], n * tile
-        x_MxD, dy_MxD, gate_MxF, up_MxF = (jax.lax.dynamic_slice_in_dim(a, at, tile)
-                                           for a in (x_SxD, dy_SxD, gate_SxF, up_SxF))
+        dx_RxD, d_w_gate, d_w_up, d_w_down = carry
+        e, at, rows_M = tile_expert_N[n], n * tile, _rows_of_tile(src_S, n, tile)
+        x_MxD, dy_MxD = (jnp.take(a, rows_M, axis=0, mode="fill", fill_value=0) for a in (x_RxD, dy_RxD))
+        gate_MxF, up_MxF = (jax.lax.dynamic_slice_in_dim(a, at, tile) for a in (gate_SxF, up_SxF))
         sig_MxF = jax.nn.sigmoid(gate_MxF)
         silu_MxF = gate_MxF * sig_MxF
         dh_MxF = dy_MxD @ w_down[e].T
@@ -190,13 +197,13 @@ def _looped_bwd(residuals, dy_SxD):
         d_w_down = d_w_down.at[e].add(jnp.matmul((silu_MxF * up_MxF).T, dy_MxD, preferred_element_type=f32))
         d_w_gate = d_w_gate.at[e].add(jnp.matmul(x_MxD.T, d_gate_MxF, preferred_element_type=f32))
         d_w_up = d_w_up.at[e].add(jnp.matmul(x_MxD.T, d_up_MxF, preferred_element_type=f32))
-        return jax.lax.dynamic_update_slice_in_dim(dx_SxD, dx_MxD, at, 0), d_w_gate, d_w_up, d_w_down
+        return dx_RxD.at[rows_M].set(dx_MxD, mode="drop", unique_indices=True), d_w_gate, d_w_up, d_w_down
 
-    axes = _varying_all(x_SxD, tile_expert_N, n_used, w_gate, w_up, w_down, dy_SxD)
+    axes = _varying_all(x_RxD, src_S, tile_expert_N, n_used, w_gate, w_up, w_down, dy_RxD)
     init = tuple(_mark_varying(jnp.zeros(a.shape, dtype), axes)
-                 for a, dtype in ((x_SxD, x_SxD.dtype), (w_gate, f32), (w_up, f32), (w_down, f32)))
-    dx_SxD, d_w_gate, d_w_up, d_w_down = jax.lax.fori_loop(0, n_used, body, init)
-    return (_cotangent(dx_SxD, axes, x_SxD), _float0(tile_expert_N), _float0(n_used),
+                 for a, dtype in ((x_RxD, x_RxD.dtype), (w_gate, f32), (w_up, f32), (w_down, f32)))
+    dx_RxD, d_w_gate, d_w_up, d_w_down = jax.lax.fori_loop(0, n_used, body, init)
+    return (_cotangent(dx_RxD, axes, x_RxD), _float0(src_S), _float0(tile_expert_N), _float0(n_used),
             *(_cotangent(d.astype(w.dtype), axes, w) for d, w in ((d_w_gate, w_gate), (d_w_up, w_up),
                                                                   (d_w_down, w_down))))
 
@@ -204,15 +211,17 @@ def _looped_bwd(residuals, dy_SxD):
 _looped_ffn.defvjp(_looped_fwd, _looped_bwd)
 
 
-def looped_expert_ffn(x_SxD, tile_expert_N, n_used, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, ffn_axis=None):
-    """SwiGLU of the first n_used tiles of x_SxD (S = N tiles x M rows), tile n through expert tile_expert_N[n]'s
-    weights, in a while loop: the block-diagonal grouped GEMM of `tiled_expert_ffn` without the tiles past the
-    load (they hold no row) and without per-tile weight copies. Rows of the other tiles come out zero. The
-    backward is one more loop over the same tiles (its weight gradients summed per expert in place)."""
+def looped_expert_ffn(x_RxD, src_S, tile_expert_N, n_used, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, ffn_axis=None):
+    """SwiGLU of rows in any order through the block-diagonal tiles of `tiled_expert_ffn`: slot s of the tiles
+    holds row src_S[s] (n_rows: padding), tile n goes through expert tile_expert_N[n]'s weights, and a while
+    loop runs only the first n_used tiles (the ones holding rows), gathering each tile's rows and putting its
+    outputs back on them: no tile past the load, no per-tile weight copies, no slot-order copy of the rows.
+    Rows in no tile come out zero. The backward is one more loop over the same tiles (its weight gradients
+    summed per expert in place)."""
     if fp8.active() != "none":  # resolve.py refuses this combination before anything compiles
         raise ValueError("expert GEMM kernel 'tile_loop' has no FP8 path; FP8 expert GEMMs use kernel 'einsum'")
-    y_SxD = _looped_ffn(x_SxD, tile_expert_N, n_used, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
-    return jax.lax.psum(y_SxD, ffn_axis) if ffn_axis else y_SxD
+    y_RxD = _looped_ffn(x_RxD, src_S, tile_expert_N, n_used, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
+    return jax.lax.psum(y_RxD, ffn_axis) if ffn_axis else y_RxD
 
 
 def expert_ffn(x_ExCxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, kernel: str, ffn_axis=None):

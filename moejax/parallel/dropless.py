@@ -272,14 +272,12 @@ def window_expert_ffn(x_RxD, expert_R, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *
     tile = tile_rows(n_rows, n_local)
     n_slots = -(-(n_rows + n_local * (tile - 1)) // tile) * tile
     slot_R, src_S, tile_expert_N, n_used = _tile_plan(expert_R, n_local, tile, n_slots, in_stage)
-    x_SxD = dispatch_rows(x_RxD, slot_R, src_S, 1)
     weights = (w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
-    if gemm == "tile_loop":  # only the n_used tiles that hold rows: the work follows the load
-        y_SxD = grouped_gemm.looped_expert_ffn(x_SxD, tile_expert_N, n_used, *weights, ffn_axis=ffn_axis)
-    else:
-        y_SxD = grouped_gemm.tiled_expert_ffn(x_SxD.reshape(n_slots // tile, tile, -1), tile_expert_N, *weights,
-                                              ffn_axis=ffn_axis).reshape(n_slots, -1)
-    return dispatch_rows(y_SxD, src_S, slot_R, 1)
+    if gemm == "tile_loop":  # only the n_used tiles that hold rows, gathered by the loop: the work follows the load
+        return grouped_gemm.looped_expert_ffn(x_RxD, src_S, tile_expert_N, n_used, *weights, ffn_axis=ffn_axis)
+    x_NxMxD = dispatch_rows(x_RxD, slot_R, src_S, 1).reshape(n_slots // tile, tile, -1)
+    y_NxMxD = grouped_gemm.tiled_expert_ffn(x_NxMxD, tile_expert_N, *weights, ffn_axis=ffn_axis)
+    return dispatch_rows(y_NxMxD.reshape(n_slots, -1), src_S, slot_R, 1)
 
 
 def _round(lo, rows_AxD, w_gate, w_up, w_down, ex: Exchange, *, window: int, ep: int, gemm: str, ffn_axis, how: How):
