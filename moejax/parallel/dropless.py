@@ -138,11 +138,13 @@ def _emulated_ragged_all_to_all(rows_NxD, input_offsets, send_sizes, output_offs
 
 
 def emulation_chunks(n_rows: int, out_rows: int, ep: int) -> tuple[int, ...]:
-    """Static chunk sizes of the CPU emulation, smallest first: 1.25 x an even split of the sender's rows, doubling
-    up to the most one pair can move (min(n_rows, out_rows)). Each exchange pads to the smallest that holds the
-    mesh-wide largest send, so a balanced step moves about 1.25 x its rows, not ep x."""
+    """Static chunk sizes of the CPU emulation, smallest first: 1.25 x an even split of what one exchange can move
+    (the sender's rows, or the receiver's window when smaller: an overflow round's quarter window), doubling up
+    to the most one pair can move (min(n_rows, out_rows)). Each exchange pads to the smallest that holds the
+    mesh-wide largest send, so a balanced step moves about 1.25 x its rows, not ep x, and an overflow round
+    about 1.25 x its window, not a whole round's chunks."""
     most = min(n_rows, out_rows)
-    sizes, size = [], -(-(5 * n_rows) // (4 * ep * 8)) * 8
+    sizes, size = [], -(-(5 * most) // (4 * ep * 8)) * 8
     while size < most:
         sizes.append(size)
         size *= 2
