@@ -3,7 +3,7 @@ TFLOP/s per device and MFU, for several mesh layouts and expert-dispatch modes m
 dropped fraction and the dropless rounds of the last step). Prints a table, writes JSON.
 
     python benchmarks/train_step.py [--config configs/tiny.py] [--steps 10] [--layouts config,expert8]
-        [--dispatches config,capacity,allgather,dropless] [--json benchmarks/results/train_step.json]
+        [--dispatches config,capacity,allgather,dropless] [--repeats 1] [--json benchmarks/results/train_step.json]
 """
 
 from __future__ import annotations
@@ -41,35 +41,51 @@ LAYOUTS = {  # name -> (data, fsdp, expert, tensor); -1 fills the rest
 }
 
 
-def measure(cfg, steps: int, peak: float) -> dict:
-    sizes = validate(cfg, jax.device_count())
-    mesh = make_mesh(sizes)
-    tx = make_optimizer(cfg.optim)
-    state, shardings = init_state(cfg, tx, mesh, cfg.seed)
-    tokens = np.random.default_rng(0).integers(0, 256, (cfg.train.global_batch, cfg.train.seq_len + 1), np.int32)
-    batch = jax.device_put(tokens, batch_sharding(mesh))
-    t0 = time.perf_counter()
-    with jax.set_mesh(mesh):
-        step = jit_train_step(cfg, model_graphdef(cfg), tx, mesh, shardings).lower(state, batch).compile()
-    compile_s = time.perf_counter() - t0
-    for _ in range(2):  # warm-up
-        state, metrics = step(state, batch)
-    jax.block_until_ready(metrics)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        state, metrics = step(state, batch)
-    jax.block_until_ready(metrics)
-    step_s = (time.perf_counter() - t0) / steps
-    tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
-    moe = {k: float(metrics[k]) for k in ("dropped_fraction", "dropless_rounds") if k in metrics}
-    return {"mesh": sizes, "compile_s": compile_s, "dispatch": cfg.moe.dispatch, **moe,
-            **throughput(step_s, tokens_per_step, flops_per_token(cfg), jax.device_count(), peak)}
+class Program:
+    """One compiled training step of a config, with its state and batch: timed in repeats (`--repeats`)."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.sizes = validate(cfg, jax.device_count())
+        mesh = make_mesh(self.sizes)
+        tx = make_optimizer(cfg.optim)
+        self.state, shardings = init_state(cfg, tx, mesh, cfg.seed)
+        tokens = np.random.default_rng(0).integers(0, 256, (cfg.train.global_batch, cfg.train.seq_len + 1), np.int32)
+        self.batch = jax.device_put(tokens, batch_sharding(mesh))
+        t0 = time.perf_counter()
+        with jax.set_mesh(mesh):
+            self.step = jit_train_step(cfg, model_graphdef(cfg), tx, mesh, shardings).lower(self.state, self.batch).compile()
+        self.compile_s = time.perf_counter() - t0
+        for _ in range(2):  # warm-up
+            self.state, self.metrics = self.step(self.state, self.batch)
+        jax.block_until_ready(self.metrics)
+        self.step_times = []
+
+    def time_steps(self, steps: int):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            self.state, self.metrics = self.step(self.state, self.batch)
+        jax.block_until_ready(self.metrics)
+        self.step_times.append((time.perf_counter() - t0) / steps)
+
+    def result(self, peak: float) -> dict:
+        """Throughput at the median repeat's step time (every repeat's step time listed beside it)."""
+        cfg = self.cfg
+        step_s = float(np.median(self.step_times))
+        tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
+        moe = {k: float(self.metrics[k]) for k in ("dropped_fraction", "dropless_rounds") if k in self.metrics}
+        return {"mesh": self.sizes, "compile_s": self.compile_s, "dispatch": cfg.moe.dispatch, **moe,
+                "repeat_step_times_s": self.step_times,
+                **throughput(step_s, tokens_per_step, flops_per_token(cfg), jax.device_count(), peak)}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/tiny.py")
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=10, help="steps per timing repeat")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="timing repeats, every program once per repeat in turn (a noisy machine's drift hits all "
+                         "alike); the table gives each program's median repeat")
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated subset of: " + ", ".join(LAYOUTS))
     ap.add_argument("--dispatches", default="config",
                     help="comma-separated moe.dispatch values to measure (config: the config's own)")
@@ -80,7 +96,7 @@ def main():
     if args.dtype != "config":
         base.model.dtype = args.dtype
     peak, peak_source = peak_flops_per_device(base.hardware.peak_tflops)
-    rows = []
+    programs = []
     for name in args.layouts.split(","):
         for dispatch in args.dispatches.split(","):
             cfg = base.copy_and_resolve_references()
@@ -88,7 +104,11 @@ def main():
                 cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.expert, cfg.mesh.tensor = LAYOUTS[name]
             if dispatch != "config":
                 cfg.moe.dispatch = dispatch
-            rows.append({"layout": name, **measure(cfg, args.steps, peak)})
+            programs.append((name, Program(cfg)))
+    for _ in range(args.repeats):
+        for _, program in programs:
+            program.time_steps(args.steps)
+    rows = [{"layout": name, **program.result(peak)} for name, program in programs]
     print(f"{args.config}: {base.train.global_batch} x {base.train.seq_len} tokens/step, "
           f"{flops_per_token(base) / 1e6:.3g} MFLOP/token, {jax.device_count()} x {jax.devices()[0].device_kind}, "
           f"peak {peak / 1e12:.3g} TFLOP/s/dev ({peak_source})")
@@ -105,7 +125,7 @@ def main():
                                "config": args.config, "devices": jax.device_count(),
                                "device_kind": jax.devices()[0].device_kind, "peak_flops_per_device": peak,
                                "peak_source": peak_source, "flops_per_token": flops_per_token(base),
-                               "steps": args.steps, "rows": rows}, indent=2))
+                               "steps": args.steps, "repeats": args.repeats, "rows": rows}, indent=2))
     print(f"wrote {out}")
 
 
