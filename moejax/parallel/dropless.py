@@ -118,18 +118,20 @@ def plan_exchange(counts_E, ep: int) -> Exchange:
     return Exchange(input_offsets_P, send_P, out_offsets_P, recv_offsets_P, recv_P, recv_ends_PxL, return_offsets_P)
 
 
-def _emulated_ragged_all_to_all(rows_NxD, input_offsets, send_sizes, output_offsets, recv_sizes, out_rows: int,
+def _emulated_ragged_all_to_all(rows_NxD, input_offsets, send_sizes, recv_at, recv_sizes, out_rows: int,
                                 chunk: int):
     """What `lax.ragged_all_to_all` computes into a zero buffer, from a dense all_to_all of chunks padded to
-    `chunk` rows (>= every send size). Row j of the chunk for device d is rows[input_offsets[d] + j]; it lands at
-    output_offsets[d] + j on device d; output rows nothing lands on are zero."""
+    `chunk` rows (>= every send size). Row j of the chunk for device d is rows[input_offsets[d] + j]; on device d
+    it lands at recv_at[me] + j: recv_at is the receiver's own view of where each source's rows go (the
+    sender's output_offsets as the receiver knows them already, so no collective carries them); output rows
+    nothing lands on are zero."""
     n_rows, d_model = rows_NxD.shape
     ep = send_sizes.shape[0]
     j = jnp.arange(chunk, dtype=jnp.int32)
     src = jnp.where(j[None, :] < send_sizes[:, None], input_offsets[:, None] + j[None, :], n_rows)
     chunks_PxCxD = jnp.take(rows_NxD, src, axis=0, mode="fill", fill_value=0)
     got_PxCxD = jax.lax.all_to_all(chunks_PxCxD, EXPERT_AXIS, 0, 0)  # [source, chunk, D]
-    at_P = jax.lax.all_to_all(output_offsets, EXPERT_AXIS, 0, 0)  # where each source said its rows go
+    at_P = recv_at
     r = jnp.arange(out_rows, dtype=jnp.int32)
     inside_PxR = (r[None, :] >= at_P[:, None]) & (r[None, :] < at_P[:, None] + recv_sizes[:, None])
     source_R = jnp.argmax(inside_PxR, axis=0)
@@ -151,33 +153,49 @@ def emulation_chunks(n_rows: int, out_rows: int, ep: int) -> tuple[int, ...]:
     return (*sizes, most)
 
 
-def _emulated(rows_NxD, input_offsets, send_sizes, output_offsets, recv_sizes, out_rows: int, how: How):
+def _emulated(rows_NxD, input_offsets, send_sizes, recv_at, recv_sizes, largest, out_rows: int, how: How):
+    """largest: the mesh-wide largest send of this exchange (both trips of a round share it: the same pairs)."""
     chunks = emulation_chunks(rows_NxD.shape[0], out_rows, send_sizes.shape[0])
-    args = (rows_NxD, input_offsets, send_sizes, output_offsets, recv_sizes)
+    args = (rows_NxD, input_offsets, send_sizes, recv_at, recv_sizes)
     if len(chunks) == 1 or how.in_stage:  # no switch under the pipeline's vmap (How)
         return _emulated_ragged_all_to_all(*args, out_rows, chunks[-1])
     # Every device of the mesh takes the same branch (collectives inside): the largest send decides.
-    largest = jax.lax.pmax(jnp.max(send_sizes), how.axes)
     pick = jnp.sum(largest > jnp.asarray(chunks[:-1], jnp.int32))
     branches = [functools.partial(_emulated_ragged_all_to_all, out_rows=out_rows, chunk=c) for c in chunks]
     return jax.lax.switch(pick, branches, *args)
 
 
-def ragged_exchange(rows_NxD, input_offsets, send_sizes, output_offsets, recv_sizes, out_rows: int, how: How):
-    """`lax.ragged_all_to_all` over `expert` into a zero [out_rows, D] buffer (emulated on CPU: XLA:CPU cannot
-    compile the ragged op). Resolved when lowered (`lax.platform_dependent`: a program lowered for another platform
-    than its mesh's devices gets that platform's exchange), except inside pipeline stages, where no cond can be
-    batched: there the mesh's device platform decides when traced (How)."""
+def largest_send(send_sizes_P, how: How):
+    """The mesh-wide largest pair size of a round (int32 scalar, the same for its return trip): what the CPU
+    emulation pads its chunks to. One pmax per round, shared by both trips forward and backward; only on CPU
+    (zero in a program lowered for another platform, which never reads it) and never inside pipeline stages (no
+    switch there)."""
+    if how.in_stage:
+        return jnp.int32(0)
 
-    def native(rows, in_off, send, out_off, recv):
+    def mesh_max(send):
+        return jax.lax.pmax(jnp.max(send), how.axes)
+
+    return jax.lax.platform_dependent(send_sizes_P, cpu=mesh_max, default=lambda send: jnp.int32(0))
+
+
+def ragged_exchange(rows_NxD, input_offsets, send_sizes, output_offsets, recv_sizes, out_rows: int, how: How,
+                    recv_at, largest):
+    """`lax.ragged_all_to_all` over `expert` into a zero [out_rows, D] buffer (emulated on CPU: XLA:CPU cannot
+    compile the ragged op; recv_at and largest are what the emulation takes instead of the output offsets and a
+    collective to pick its chunk size: `_emulated`). Resolved when lowered (`lax.platform_dependent`: a program
+    lowered for another platform than its mesh's devices gets that platform's exchange), except inside pipeline
+    stages, where no cond can be batched: there the mesh's device platform decides when traced (How)."""
+
+    def native(rows, in_off, send, out_off, recv, at, big):
         # The output buffer varies over the batch axes like the rows (shard_map's check_vma typing).
         out = jax.lax.pcast(jnp.zeros((out_rows, rows.shape[-1]), rows.dtype), how.axes, to="varying")
         return jax.lax.ragged_all_to_all(rows, out, in_off, send, out_off, recv, axis_name=EXPERT_AXIS)
 
-    def emulated(rows, in_off, send, out_off, recv):
-        return _emulated(rows, in_off, send, out_off, recv, out_rows, how)
+    def emulated(rows, in_off, send, out_off, recv, at, big):
+        return _emulated(rows, in_off, send, at, recv, big, out_rows, how)
 
-    args = (rows_NxD, input_offsets, send_sizes, output_offsets, recv_sizes)
+    args = (rows_NxD, input_offsets, send_sizes, output_offsets, recv_sizes, recv_at, largest)
     if not how.in_stage:
         return jax.lax.platform_dependent(*args, cpu=emulated, default=native)
     return emulated(*args) if how.platform == "cpu" else native(*args)
@@ -199,25 +217,26 @@ class Moves(NamedTuple):
     recv_sizes: jax.Array
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _exchange(rows_NxD, there: Moves, back: Moves, out_rows: int, ep: int, how: How):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _exchange(rows_NxD, there: Moves, back: Moves, largest, out_rows: int, ep: int, how: How):
     """Rows moved as `there` says into a zero [out_rows, D] buffer. `back` is the same rows' return trip (the
-    receivers' offsets), and the transpose: the cotangent goes back as rows would, a gather (the emulation's
-    autodiff would scatter-add)."""
+    receivers' offsets: where each source's rows land, as the receiver knows it), and the transpose: the
+    cotangent goes back as rows would, a gather (the emulation's autodiff would scatter-add). largest: the round's
+    largest_send."""
     if ep > 1:
-        return ragged_exchange(rows_NxD, *there, out_rows, how)
+        return ragged_exchange(rows_NxD, *there, out_rows, how, recv_at=back.input_offsets, largest=largest)
     return _local_copy(rows_NxD, there.input_offsets[0], there.send_sizes[0], there.output_offsets[0], out_rows)
 
 
-def _exchange_fwd(rows_NxD, there, back, out_rows, ep, how):
-    return (_exchange(rows_NxD, there, back, out_rows, ep, how),
-            (there, back, jnp.zeros((rows_NxD.shape[0], 0), jnp.int8)))
+def _exchange_fwd(rows_NxD, there, back, largest, out_rows, ep, how):
+    return (_exchange(rows_NxD, there, back, largest, out_rows, ep, how),
+            (there, back, largest, jnp.zeros((rows_NxD.shape[0], 0), jnp.int8)))
 
 
 def _exchange_bwd(out_rows, ep, how, residuals, d_out):
-    there, back, like_Nx0 = residuals  # like_Nx0: the input's row count
-    return (_exchange(d_out, back, there, like_Nx0.shape[0], ep, how), jax.tree.map(_int_cotangent, there),
-            jax.tree.map(_int_cotangent, back))
+    there, back, largest, like_Nx0 = residuals  # like_Nx0: the input's row count
+    return (_exchange(d_out, back, there, largest, like_Nx0.shape[0], ep, how), jax.tree.map(_int_cotangent, there),
+            jax.tree.map(_int_cotangent, back), _int_cotangent(largest))
 
 
 _exchange.defvjp(_exchange_fwd, _exchange_bwd)
@@ -296,7 +315,8 @@ def _round(lo, rows_AxD, w_gate, w_up, w_down, ex: Exchange, *, window: int, ep:
     # There: my rows for p from my buffer to p's window. Back: p's window rows from source q to q's buffer.
     there = Moves(ex.input_offsets_P + a_P, b_P - a_P, ex.out_offsets_P + a_P - lo, d_P - c_P)
     back = Moves(ex.recv_offsets_P + c_P - lo, d_P - c_P, ex.return_offsets_P + c_P, b_P - a_P)
-    x_WxD = _exchange(rows_AxD, there, back, window, ep, how)
+    largest = largest_send(there.send_sizes, how) if ep > 1 else jnp.int32(0)
+    x_WxD = _exchange(rows_AxD, there, back, largest, window, ep, how)
     # Each window row's local expert: source p's rows are sorted by expert, ending at recv_ends_PxL[p].
     g_W = lo + jnp.arange(window, dtype=jnp.int32)
     source_W = jnp.clip(_count_at_most(ex.recv_offsets_P, g_W, how.in_stage) - 1, 0, ep - 1)
@@ -305,7 +325,7 @@ def _round(lo, rows_AxD, w_gate, w_up, w_down, ex: Exchange, *, window: int, ep:
     expert_W = jnp.where(pos_W < ex.recv_sizes_P[source_W], expert_W, n_local)
     y_WxD = window_expert_ffn(x_WxD, expert_W, w_gate, w_up, w_down, gemm=gemm, ffn_axis=ffn_axis,
                               in_stage=how.in_stage)
-    return _exchange(y_WxD, back, there, n_assign, ep, how)
+    return _exchange(y_WxD, back, there, largest, n_assign, ep, how)
 
 
 def _int_cotangent(x):
