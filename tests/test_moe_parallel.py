@@ -79,8 +79,8 @@ CASES = [(shape, mode, "einsum", "sigmoid") for mode in ("capacity", "allgather"
     ((1, 2, 4, 1), "allgather", "ragged_dot", "softmax"),
     ((1, 2, 4, 1), "capacity", "einsum", "softmax"),
     ((2, 1, 4, 1), "dropless", "ragged_dot", "softmax"),
-] + [(shape, "dropless", "tile_loop", "sigmoid") for shape in [(8, 1, 1, 1), (2, 1, 4, 1), (1, 1, 8, 1), (1, 2, 4, 1), (2, 1, 2, 2)]
-] + [(shape, "dropless", "einsum", "sigmoid") for shape in [(8, 1, 1, 1), (2, 1, 2, 2)]]
+] + [(shape, "dropless", backend, "sigmoid") for backend in ("tile_loop", "einsum")
+      for shape in [(8, 1, 1, 1), (2, 1, 4, 1), (1, 1, 8, 1), (1, 2, 4, 1), (2, 1, 2, 2)]]
 
 
 @pytest.mark.parametrize("shape,mode,backend,score_func", CASES,

@@ -26,7 +26,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+
+from moejax.kernels.varying import int_cotangent
 
 
 def _logits(h_BxLxD, w_DxV, constrain_logits):
@@ -105,7 +106,7 @@ def _chunked_bwd(chunk, constrain_logits, residuals, d_nll_BxL):
     xs = (_chunks(h_BxLxD, chunk), _chunks(targets_BxL, chunk), _chunks(lse_BxL, chunk),
           _chunks(d_nll_BxL.astype(jnp.float32), chunk))
     d_w_DxV, d_h_NxBxCxD = jax.lax.scan(step, jnp.zeros(w_DxV.shape, jnp.float32), xs)
-    d_targets = np.zeros(targets_BxL.shape, dtype=jax.dtypes.float0)  # integer input: no cotangent
+    d_targets = int_cotangent(targets_BxL)
     return _unchunk(d_h_NxBxCxD).astype(h_BxLxD.dtype), d_w_DxV.astype(w_DxV.dtype), d_targets
 
 

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from moejax.kernels import fp8
 from moejax.kernels.resolve import TOKAMAX_GEMM_TILE
 from moejax.kernels.varying import cotangent as _cotangent
+from moejax.kernels.varying import int_cotangent as _int_cotangent
 from moejax.kernels.varying import mark_varying as _mark_varying
 from moejax.kernels.varying import varying as _varying
+from moejax.kernels.varying import varying_union as _varying_union
 
 
 def row_multiple(kernel: str) -> int:
@@ -66,7 +67,7 @@ def _tokamax_bwd(residuals, dy_RxF):
     x_RxD, w_ExDxF, group_sizes_E = residuals
     dx_RxD = _tokamax(dy_RxF, jnp.swapaxes(w_ExDxF, 1, 2), group_sizes_E).astype(x_RxD.dtype)
     dw_ExDxF = _tokamax_weight_grad(x_RxD, dy_RxF, group_sizes_E).astype(w_ExDxF.dtype)
-    d_sizes = np.zeros(group_sizes_E.shape, dtype=jax.dtypes.float0)  # integer input: no cotangent
+    d_sizes = _int_cotangent(group_sizes_E)
     return (_cotangent(dx_RxD, _varying(dy_RxF) | _varying(w_ExDxF), x_RxD),
             _cotangent(dw_ExDxF, _varying(x_RxD) | _varying(dy_RxF), w_ExDxF), d_sizes)
 
@@ -116,7 +117,7 @@ def _tile_weights_bwd(residuals, d_w_NxAxB):
     tile_expert_N, like_Ex0 = residuals  # the weights' expert count, dtype and shard_map type
     one_hot_NxE = jax.nn.one_hot(tile_expert_N, like_Ex0.shape[0], dtype=d_w_NxAxB.dtype)
     d_w = _cotangent(jnp.einsum("ne,nab->eab", one_hot_NxE, d_w_NxAxB), frozenset(), like_Ex0).astype(like_Ex0.dtype)
-    return d_w, np.zeros(tile_expert_N.shape, dtype=jax.dtypes.float0)
+    return d_w, _int_cotangent(tile_expert_N)
 
 
 _tile_weights.defvjp(_tile_weights_fwd, _tile_weights_bwd)
@@ -131,14 +132,6 @@ def tiled_expert_ffn(x_NxMxD, tile_expert_N, w_gate_ExDxF, w_up_ExDxF, w_down_Ex
                                               for w in (w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD))
     y_NxMxD = _einsum_ffn(x_NxMxD, w_gate_NxDxF, w_up_NxDxF, w_down_NxFxD)
     return jax.lax.psum(y_NxMxD, ffn_axis) if ffn_axis else y_NxMxD
-
-
-def _varying_all(*arrays) -> frozenset:
-    return frozenset().union(*(_varying(a) for a in arrays))
-
-
-def _float0(a):
-    return np.zeros(a.shape, dtype=jax.dtypes.float0)
 
 
 def _rows_of_tile(src_S, n, tile):
@@ -170,7 +163,7 @@ def _looped_fwd(x_RxD, src_S, tile_expert_N, n_used, w_gate_ExDxF, w_up_ExDxF, w
                 jax.lax.dynamic_update_slice_in_dim(up_SxF, up_MxF, at, 0))
 
     # Loop carries are typed like everything the body mixes into them (shard_map's varying axes).
-    axes = _varying_all(x_RxD, src_S, tile_expert_N, n_used, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
+    axes = _varying_union(x_RxD, src_S, tile_expert_N, n_used, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
     zeros = tuple(_mark_varying(jnp.zeros(shape, x_RxD.dtype), axes)
                   for shape in ((n_rows, d_model), (n_slots, d_ff), (n_slots, d_ff)))
     y_RxD, gate_SxF, up_SxF = jax.lax.fori_loop(0, n_used, body, zeros)
@@ -199,11 +192,11 @@ def _looped_bwd(residuals, dy_RxD):
         d_w_up = d_w_up.at[e].add(jnp.matmul(x_MxD.T, d_up_MxF, preferred_element_type=f32))
         return dx_RxD.at[rows_M].set(dx_MxD, mode="drop", unique_indices=True), d_w_gate, d_w_up, d_w_down
 
-    axes = _varying_all(x_RxD, src_S, tile_expert_N, n_used, w_gate, w_up, w_down, dy_RxD)
+    axes = _varying_union(x_RxD, src_S, tile_expert_N, n_used, w_gate, w_up, w_down, dy_RxD)
     init = tuple(_mark_varying(jnp.zeros(a.shape, dtype), axes)
                  for a, dtype in ((x_RxD, x_RxD.dtype), (w_gate, f32), (w_up, f32), (w_down, f32)))
     dx_RxD, d_w_gate, d_w_up, d_w_down = jax.lax.fori_loop(0, n_used, body, init)
-    return (_cotangent(dx_RxD, axes, x_RxD), _float0(src_S), _float0(tile_expert_N), _float0(n_used),
+    return (_cotangent(dx_RxD, axes, x_RxD), *(_int_cotangent(a) for a in (src_S, tile_expert_N, n_used)),
             *(_cotangent(d.astype(w.dtype), axes, w) for d, w in ((d_w_gate, w_gate), (d_w_up, w_up),
                                                                   (d_w_down, w_down))))
 

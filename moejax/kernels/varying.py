@@ -1,13 +1,25 @@
-"""shard_map varying-axis types for custom VJPs: a hand-written backward must return cotangents typed like
-their primals (summed over the mesh axes the primal is invariant on), as autodiff's own transposes do."""
+"""Cotangents for hand-written custom VJPs: shard_map varying-axis types (a backward must return cotangents typed
+like their primals, summed over the mesh axes the primal is invariant on, as autodiff's own transposes do), and
+the float0 cotangent of an integer input."""
 
 from __future__ import annotations
 
 import jax
+import numpy as np
 
 
 def varying(x) -> frozenset:
     return jax.typeof(x).manual_axis_type.varying
+
+
+def varying_union(*arrays) -> frozenset:
+    """The mesh axes any of the arrays varies over."""
+    return frozenset().union(*(varying(a) for a in arrays))
+
+
+def int_cotangent(x):
+    """The cotangent of an integer input (sizes, indices, offsets): float0 zeros, no gradient."""
+    return np.zeros(x.shape, dtype=jax.dtypes.float0)
 
 
 def mark_varying(y, axes):

@@ -23,9 +23,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from moejax.kernels import fp8, grouped_gemm
+from moejax.kernels.varying import int_cotangent as _int_cotangent
 from moejax.parallel.mesh import EXPERT_AXIS, batch_axes, inside_pipeline_stage
 from moejax.parallel.routing_plan import combine_rows, dispatch_rows
 
@@ -131,11 +131,10 @@ def _emulated_ragged_all_to_all(rows_NxD, input_offsets, send_sizes, recv_at, re
     src = jnp.where(j[None, :] < send_sizes[:, None], input_offsets[:, None] + j[None, :], n_rows)
     chunks_PxCxD = jnp.take(rows_NxD, src, axis=0, mode="fill", fill_value=0)
     got_PxCxD = jax.lax.all_to_all(chunks_PxCxD, EXPERT_AXIS, 0, 0)  # [source, chunk, D]
-    at_P = recv_at
     r = jnp.arange(out_rows, dtype=jnp.int32)
-    inside_PxR = (r[None, :] >= at_P[:, None]) & (r[None, :] < at_P[:, None] + recv_sizes[:, None])
+    inside_PxR = (r[None, :] >= recv_at[:, None]) & (r[None, :] < recv_at[:, None] + recv_sizes[:, None])
     source_R = jnp.argmax(inside_PxR, axis=0)
-    flat_R = jnp.where(jnp.any(inside_PxR, axis=0), source_R * chunk + r - at_P[source_R], ep * chunk)
+    flat_R = jnp.where(jnp.any(inside_PxR, axis=0), source_R * chunk + r - recv_at[source_R], ep * chunk)
     return jnp.take(got_PxCxD.reshape(ep * chunk, d_model), flat_R, axis=0, mode="fill", fill_value=0)
 
 
@@ -326,10 +325,6 @@ def _round(lo, rows_AxD, w_gate, w_up, w_down, ex: Exchange, *, window: int, ep:
     y_WxD = window_expert_ffn(x_WxD, expert_W, w_gate, w_up, w_down, gemm=gemm, ffn_axis=ffn_axis,
                               in_stage=how.in_stage)
     return _exchange(y_WxD, back, there, largest, n_assign, ep, how)
-
-
-def _int_cotangent(x):
-    return np.zeros(x.shape, dtype=jax.dtypes.float0)
 
 
 def _overflow_round(static, r, *round_args):

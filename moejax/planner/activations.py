@@ -82,11 +82,10 @@ def trace_config(cfg, *, remat: str, dispatch: str | None = None, platform: str 
         if dispatch:
             c.moe.dispatch = dispatch
         # (FP8 expert GEMMs are einsums on every platform: kernels/resolve.py)
-        ragged_on_gpu = (c.moe.dispatch == "dropless" and platform in ("gpu", "tpu")
-                         and c.model.get("fp8", "none") == "none")
+        ragged = c.moe.dispatch == "dropless" and c.model.get("fp8", "none") == "none"
         if c.kernels.expert_gemm == "auto" or c.kernels.expert_gemm == "tokamax":
-            ragged_on_cpu = c.moe.dispatch == "dropless" and not ragged_on_gpu and c.model.get("fp8", "none") == "none"
-            c.kernels.expert_gemm = "ragged_dot" if ragged_on_gpu else ("tile_loop" if ragged_on_cpu else "einsum")
+            on_gpu = platform in ("gpu", "tpu")
+            c.kernels.expert_gemm = ("ragged_dot" if on_gpu else "tile_loop") if ragged else "einsum"
         # The trace runs in this (CPU) process: a fused GPU attention kernel is traced as XLA's attention with
         # a flash kernel's residuals (no [B, H, L, L] scores kept); on CPU, XLA's reference.
         on_gpu = platform in ("gpu", "tpu") and c.kernels.attention != "xla"
