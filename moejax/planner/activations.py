@@ -82,14 +82,14 @@ def trace_config(cfg, *, remat: str, dispatch: str | None = None, platform: str 
         if dispatch:
             c.moe.dispatch = dispatch
         # (FP8 expert GEMMs are einsums on every platform: kernels/resolve.py)
+        accelerator = platform in ("gpu", "tpu")
         ragged = c.moe.dispatch == "dropless" and c.model.get("fp8", "none") == "none"
         if c.kernels.expert_gemm == "auto" or c.kernels.expert_gemm == "tokamax":
-            on_gpu = platform in ("gpu", "tpu")
-            c.kernels.expert_gemm = ("ragged_dot" if on_gpu else "tile_loop") if ragged else "einsum"
+            c.kernels.expert_gemm = ("ragged_dot" if accelerator else "tile_loop") if ragged else "einsum"
         # The trace runs in this (CPU) process: a fused GPU attention kernel is traced as XLA's attention with
         # a flash kernel's residuals (no [B, H, L, L] scores kept); on CPU, XLA's reference.
-        on_gpu = platform in ("gpu", "tpu") and c.kernels.attention != "xla"
-        c.kernels.attention = "flash_residuals" if on_gpu else "xla"
+        fused_attention = accelerator and c.kernels.attention != "xla"
+        c.kernels.attention = "flash_residuals" if fused_attention else "xla"
         if c.kernels.loss == "auto":
             c.kernels.loss = "chunked"
     return c
