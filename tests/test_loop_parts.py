@@ -151,12 +151,15 @@ def test_profile_window_traces_its_steps_only(monkeypatch, tmp_path):
     calls = []
     monkeypatch.setattr(jax.profiler, "start_trace", lambda d: calls.append(("start", d)))
     monkeypatch.setattr(jax.profiler, "stop_trace", lambda: calls.append(("stop",)))
-    profiler = ProfileWindow(SimpleNamespace(start_step=2, num_steps=3), tmp_path)
+    # quiesce (the loop's wait for an async checkpoint save) runs before the trace starts and before it stops
+    profiler = ProfileWindow(SimpleNamespace(start_step=2, num_steps=3), tmp_path,
+                             quiesce=lambda: calls.append("quiesce"))
     for step in range(8):
         profiler.before_step(step)
         calls.append(step)
     profiler.stop()  # already stopped: nothing more
-    assert calls == [0, 1, ("start", str(tmp_path / "process_0")), 2, 3, 4, ("stop",), 5, 6, 7]
+    assert calls == [0, 1, "quiesce", ("start", str(tmp_path / "process_0")), 2, 3, 4, "quiesce", ("stop",),
+                     5, 6, 7]
     off = ProfileWindow(SimpleNamespace(start_step=-1, num_steps=3), tmp_path / "off")
     for step in range(5):
         off.before_step(step)

@@ -4,7 +4,8 @@ Exit codes: 0 done; 2 bad configuration or input, including processes of one job
 and a WORKDIR holding an incompatible run or a broken checkpoint (one line on stderr, nothing in DIR
 overwritten); 3 too many consecutive non-finite steps; 4 could not join the multi-process job; 5 the
 watchdog saw no step finish within guards.step_timeout_s; 130/143 stopped by SIGINT/SIGTERM after saving a
-checkpoint; anything else is a crash.
+checkpoint; anything else is a crash (a native one, e.g. SIGSEGV in a library, first writes every thread's
+Python stack to stderr).
 
 Multi-process jobs: pass --coordinator HOST:PORT --num_processes N --process_id I, or set
 JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID, or run under SLURM/Open MPI (detected).
@@ -12,6 +13,7 @@ JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID, or run under SLURM/Ope
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import sys
@@ -50,6 +52,10 @@ def _usage_error(message: str) -> int:
 
 
 def main(argv=None) -> int:
+    # A segfault or abort inside XLA, orbax's tensorstore or the profiler kills the process with no Python
+    # traceback; this makes it print which thread was where (job logs are often all there is to go on).
+    if sys.__stderr__ is not None and not faulthandler.is_enabled():  # the process's own stderr, even in a notebook
+        faulthandler.enable(file=sys.__stderr__, all_threads=True)
     argv = list(sys.argv if argv is None else argv)
     try:
         cfg = parse_config(FLAGS, argv, __doc__, "configs/tiny.py")

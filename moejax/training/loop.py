@@ -129,7 +129,7 @@ def train(cfg, workdir: Path, mesh_sizes: dict[str, int], sources=None) -> dict:
         writer.write(record)
         return record
 
-    profiler = ProfileWindow(cfg.profile, workdir / "profile")
+    profiler = ProfileWindow(cfg.profile, workdir / "profile", quiesce=checkpointer.wait)
     last, pending = {}, None
     watchdog.start()
     try:
