@@ -176,3 +176,15 @@ def test_a_run_stopped_inside_the_profile_window_stops_the_trace(monkeypatch, tm
     profiler.stop()
     profiler.stop()
     assert calls == ["start", "stop"]
+
+    def failed_save():
+        raise OSError("disk full")
+
+    profiler = ProfileWindow(SimpleNamespace(start_step=0, num_steps=10), tmp_path, quiesce=lambda: None)
+    profiler.before_step(0)
+    profiler.quiesce = failed_save  # the save in flight fails while the run is stopping
+    with pytest.raises(OSError, match="disk full"):
+        profiler.stop()
+    assert calls == ["start", "stop", "start", "stop"]  # the trace was stopped (and written) all the same
+    profiler.stop()
+    assert calls[-1] == "stop" and len(calls) == 4

@@ -36,6 +36,8 @@ class ProfileWindow:
 
     def stop(self):
         if self.active:
-            self.quiesce()
-            jax.profiler.stop_trace()
             self.active = False
+            try:
+                self.quiesce()  # may raise a failed save's error: the trace is still stopped and written
+            finally:
+                jax.profiler.stop_trace()
