@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from moejax.config import default_config
 from moejax.training.evaluator import Evaluator
 from moejax.training.log_windows import LogWindows
 from moejax.training.nonfinite_guard import NonFiniteGuard
@@ -147,12 +148,27 @@ def test_a_record_holds_the_step_metrics_throughput_eval_then_expert_load():
     assert "tokens_per_expert" not in windows(last_step=10, expert_load_every=0).record(8, host, throughput)
 
 
+def window(python_tracer=False, **steps):
+    return SimpleNamespace(python_tracer=python_tracer, **steps)
+
+
+def test_the_python_tracer_is_opt_in(monkeypatch, tmp_path):
+    levels = []
+    monkeypatch.setattr(jax.profiler, "start_trace",
+                        lambda d, profiler_options: levels.append(profiler_options.python_tracer_level))
+    monkeypatch.setattr(jax.profiler, "stop_trace", lambda: None)
+    for python_tracer in (False, True):
+        ProfileWindow(window(python_tracer, start_step=0, num_steps=1), tmp_path).before_step(0)
+    assert levels == [0, 1]
+    assert default_config().profile.python_tracer is False
+
+
 def test_profile_window_traces_its_steps_only(monkeypatch, tmp_path):
     calls = []
-    monkeypatch.setattr(jax.profiler, "start_trace", lambda d: calls.append(("start", d)))
+    monkeypatch.setattr(jax.profiler, "start_trace", lambda d, profiler_options: calls.append(("start", d)))
     monkeypatch.setattr(jax.profiler, "stop_trace", lambda: calls.append(("stop",)))
     # quiesce (the loop's wait for an async checkpoint save) runs before the trace starts and before it stops
-    profiler = ProfileWindow(SimpleNamespace(start_step=2, num_steps=3), tmp_path,
+    profiler = ProfileWindow(window(start_step=2, num_steps=3), tmp_path,
                              quiesce=lambda: calls.append("quiesce"))
     for step in range(8):
         profiler.before_step(step)
@@ -160,7 +176,7 @@ def test_profile_window_traces_its_steps_only(monkeypatch, tmp_path):
     profiler.stop()  # already stopped: nothing more
     assert calls == [0, 1, "quiesce", ("start", str(tmp_path / "process_0")), 2, 3, 4, "quiesce", ("stop",),
                      5, 6, 7]
-    off = ProfileWindow(SimpleNamespace(start_step=-1, num_steps=3), tmp_path / "off")
+    off = ProfileWindow(window(start_step=-1, num_steps=3), tmp_path / "off")
     for step in range(5):
         off.before_step(step)
     off.stop()
@@ -169,9 +185,9 @@ def test_profile_window_traces_its_steps_only(monkeypatch, tmp_path):
 
 def test_a_run_stopped_inside_the_profile_window_stops_the_trace(monkeypatch, tmp_path):
     calls = []
-    monkeypatch.setattr(jax.profiler, "start_trace", lambda d: calls.append("start"))
+    monkeypatch.setattr(jax.profiler, "start_trace", lambda d, profiler_options: calls.append("start"))
     monkeypatch.setattr(jax.profiler, "stop_trace", lambda: calls.append("stop"))
-    profiler = ProfileWindow(SimpleNamespace(start_step=0, num_steps=10), tmp_path)
+    profiler = ProfileWindow(window(start_step=0, num_steps=10), tmp_path)
     profiler.before_step(0)
     profiler.stop()
     profiler.stop()
@@ -180,7 +196,7 @@ def test_a_run_stopped_inside_the_profile_window_stops_the_trace(monkeypatch, tm
     def failed_save():
         raise OSError("disk full")
 
-    profiler = ProfileWindow(SimpleNamespace(start_step=0, num_steps=10), tmp_path, quiesce=lambda: None)
+    profiler = ProfileWindow(window(start_step=0, num_steps=10), tmp_path, quiesce=lambda: None)
     profiler.before_step(0)
     profiler.quiesce = failed_save  # the save in flight fails while the run is stopping
     with pytest.raises(OSError, match="disk full"):

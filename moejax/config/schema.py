@@ -166,6 +166,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.profile = pr = ml_collections.ConfigDict()
     pr.start_step = -1  # >= 0: trace steps [start_step, start_step + num_steps) into WORKDIR/profile
     pr.num_steps = 3
+    pr.python_tracer = False  # also record every Python call in every thread (costly; see ProfileWindow)
 
     c.hardware = h = ml_collections.ConfigDict()
     h.peak_tflops = 0.0  # per device; 0: look up the GPU, or measure on CPU
