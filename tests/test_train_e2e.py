@@ -52,3 +52,34 @@ def test_train_writes_metrics_checkpoints_and_resumes(tmp_path):
     # The first run's config (steps=6) is kept beside the new one, not overwritten.
     assert json.loads((workdir / "config.1.json").read_text())["train"]["steps"] == 6
     assert json.loads((workdir / "config.json").read_text())["train"]["steps"] == 8
+
+
+INJECT_FAILED_SAVE = """
+import sys
+import moejax.training.checkpoint as C
+import moejax.training.metrics as M
+waits, wait, close, writer_close = [], C.Checkpointer.wait, C.Checkpointer.close, M.MetricsWriter.close
+def failing_wait(self):  # the second wait (the profiler's stop at the end) finds the last save failed
+    waits.append(1)
+    wait(self)
+    if len(waits) == 2:
+        raise OSError("disk full (injected)")
+C.Checkpointer.wait = failing_wait
+C.Checkpointer.close = lambda self: (print("checkpointer closed", flush=True), close(self))
+M.MetricsWriter.close = lambda self: (print("writer closed", flush=True), writer_close(self))
+from moejax.cli.train import main
+sys.exit(main(sys.argv))
+"""
+
+
+def test_a_failed_save_seen_while_stopping_the_trace_still_closes_the_run(tmp_path):
+    script = tmp_path / "inject.py"
+    script.write_text(INJECT_FAILED_SAVE)
+    proc = subprocess.run([sys.executable, str(script), "--config", str(ROOT / "configs/tiny.py"),
+                           "--workdir", str(tmp_path / "run"), "--config.train.steps=4", *SMALL,
+                           "--config.train.eval_every=0", "--config.profile.start_step=3",
+                           "--config.profile.num_steps=10"],  # the window is still open when the run ends
+                          capture_output=True, text=True, env=cpu_env(8), cwd=ROOT, timeout=600)
+    assert proc.returncode == 1 and "OSError: disk full (injected)" in proc.stderr, proc.stderr[-3000:]
+    assert "checkpointer closed" in proc.stdout and "writer closed" in proc.stdout
+    assert list((tmp_path / "run" / "profile" / "process_0").rglob("*.xplane.pb")), "the trace was not written"

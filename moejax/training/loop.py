@@ -12,6 +12,7 @@ without saving; a watchdog ends a run whose steps stop finishing.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from functools import partial
@@ -167,10 +168,11 @@ def train(cfg, workdir: Path, mesh_sizes: dict[str, int], sources=None) -> dict:
             if pending is not None:
                 finish(*pending)
     finally:
-        watchdog.stop()
-        profiler.stop()
-        checkpointer.close()
-        writer.close()
+        # Every part closes even when one before it raises: the profiler's stop waits for a save in flight
+        # and raises that save's error; the checkpointer and the metrics writer must still close.
+        with contextlib.ExitStack() as teardown:  # callbacks run last-registered first
+            for close in (writer.close, checkpointer.close, profiler.stop, watchdog.stop):
+                teardown.callback(close)
     return last
 
 
