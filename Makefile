@@ -1,6 +1,6 @@
 # Two commands do all the set-up on a fresh machine with Python 3.11+:
-#   make train   -> virtualenv, install, train configs/tiny.py on the embedded corpus (8 emulated CPU devices)
-#   make test    -> virtualenv, install with test extras, run the suite on the emulated 8-device mesh
+#   make train   -> virtualenv, install moejax alone, train configs/tiny.py on the embedded corpus (8 emulated CPU devices)
+#   make test    -> the same virtualenv plus the test and hf extras (CPU torch), run the suite on the emulated 8-device mesh
 # CI also runs `make test-newest`: the suite on the newest jax, which needs Python >= 3.12 (PY_NEWEST), and
 # `make test-gpu`: the training step compiled for 8 H200s with XLA:GPU (no GPU needed), asserted on, and
 # `make test-fp8`: FP8 training (mesh = one device, resume, DeepSeek-V3-small 200 steps bf16 vs blockwise FP8 within 4%),
@@ -14,11 +14,17 @@ WORKDIR ?= runs/tiny
 CONFIG ?= configs/tiny.py
 CPU_MESH = XLA_FLAGS="$${XLA_FLAGS:-} --xla_force_host_platform_device_count=8"
 
+# One virtualenv, two stamps: `make train` installs moejax and what training needs (no torch, no test tools);
+# `make test` adds the test tools and the Hugging Face reference implementations on top of it.
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
-	# A CPU build of torch first (the tests only need it on CPU; this machine image ships 2.13.0's wheel,
-	# and an unconstrained resolve would pull a multi-GB CUDA build). Any torch>=2.4 works.
+	$(VENV)/bin/python -m pip install -q -e .
+	touch $@
+
+# A CPU build of torch first (the tests only need it on CPU; this machine image ships 2.13.0's wheel, and an
+# unconstrained resolve would pull a multi-GB CUDA build). Any torch>=2.4 works.
+$(VENV)/.installed-test: $(VENV)/.installed
 	$(VENV)/bin/python -m pip install -q 'torch==2.13.0' || $(VENV)/bin/python -m pip install -q 'torch>=2.4'
 	$(VENV)/bin/python -m pip install -q -e '.[test,hf]'
 	touch $@
@@ -41,7 +47,7 @@ install: $(VENV)/.installed
 train: $(VENV)/.installed
 	$(CPU_MESH) $(VENV)/bin/moejax-train --config $(CONFIG) --workdir $(WORKDIR)
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed-test
 	$(VENV)/bin/python -m pytest -n 2 tests
 
 test-newest: $(VENV_NEWEST)/.installed
@@ -51,10 +57,10 @@ test-newest: $(VENV_NEWEST)/.installed
 test-gpu: $(VENV_GPU)/.installed
 	MOEJAX_GPU_COMPILE=1 JAX_PLATFORMS=cpu $(VENV_GPU)/bin/python -m pytest -q tests/test_gpu_compile.py
 
-test-fp8: $(VENV)/.installed
+test-fp8: $(VENV)/.installed-test
 	MOEJAX_FP8_TRAINING=1 $(VENV)/bin/python -m pytest -q -s tests/test_fp8_training.py
 
-test-pipeline: $(VENV)/.installed
+test-pipeline: $(VENV)/.installed-test
 	MOEJAX_PIPELINE_STEP=1 $(VENV)/bin/python -m pytest -n 2 -q tests/test_pipeline.py tests/test_pipeline_step.py
 
 bench: $(VENV)/.installed

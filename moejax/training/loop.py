@@ -20,6 +20,7 @@ from pathlib import Path
 
 import jax
 
+from moejax.config.layers import layer_plan
 from moejax.data.pipeline import BatchIterator, eval_batches, train_batches
 from moejax.data.sources import data_fingerprint, open_sources
 from moejax.model.accounting import flops_per_token, param_counts
@@ -62,6 +63,8 @@ def train(cfg, workdir: Path, mesh_sizes: dict[str, int], sources=None) -> dict:
     is_main = jax.process_index() == 0
     mesh = mesh_from_config(cfg, mesh_sizes)
     t, g = cfg.train, cfg.guards
+    # capacity_factor <= 0 sizes capacity buffers for the worst case: like dropless, nothing can drop
+    can_drop = cfg.moe.dispatch != "dropless" and cfg.moe.capacity_factor > 0
     n_devices = jax.device_count()
 
     batches, held_out, fingerprint = _data(cfg, sources)
@@ -126,7 +129,7 @@ def train(cfg, workdir: Path, mesh_sizes: dict[str, int], sources=None) -> dict:
         if not windows.writes(step_done):
             return None
         if is_main:
-            print(M.console_line(record, t.steps), flush=True)
+            print(M.console_line(record, t.steps, can_drop=can_drop), flush=True)
         writer.write(record)
         return record
 
@@ -224,7 +227,7 @@ def _compile(cfg, graphdef, tx, mesh, shardings, state, example, *, with_eval: b
 
 def _banner(cfg, mesh, fpt: float, peak: float, peak_source: str, compile_s: float, start: int) -> str:
     counts = param_counts(cfg)
-    n_moe, stages = int(cfg.model.n_layers) - int(cfg.model.first_k_dense), int(mesh.shape.get("stage", 1))
+    n_moe, stages = layer_plan(cfg.model).n_moe, int(mesh.shape.get("stage", 1))
     piped = (f" | {describe_split(n_moe, stages, int(cfg.mesh.virtual_stages), int(cfg.train.micro_batches))}"
              if stages > 1 and n_moe else "")
     return (f"mesh {dict(mesh.shape)} over {jax.device_count()} devices | params {counts['total'] / 1e6:.2f}M "

@@ -69,15 +69,21 @@ def _si(x: float) -> str:
     return f"{scaled:.1f}{prefix}" if prefix else f"{x:.0f}"
 
 
-def console_line(m: dict, total_steps: int) -> str:
+def console_line(m: dict, total_steps: int, *, can_drop: bool = True) -> str:
+    """One progress line. MoE runs add the expert load balance (the busiest expert's load over the mean, worst
+    layer): what sets a dropless step's overflow rounds and a capacity step's drops. can_drop: the dispatch can
+    drop tokens (capacity, allgather), so the dropped share is shown; a dropless run never drops and shows its
+    overflow rounds instead when there were any."""
     eta_s = m["step_time_s"] * (total_steps - m["step"])
     eta = f"{eta_s / 3600:.1f}h" if eta_s >= 3600 else f"{eta_s / 60:.0f}m" if eta_s >= 60 else f"{eta_s:.0f}s"
     tf = m["tflops_per_device"]
     line = (f"step {m['step']}/{total_steps} | loss {m['loss']:.3f} | {m['step_time_s'] * 1e3:.0f} ms | "
             f"{_si(m['tokens_per_s'])} tok/s | {tf:.3g} TFLOP/s/dev | MFU {100 * m['mfu']:.1f}% | eta {eta}")
     if "expert_imbalance" in m:
-        line += f" | imb {m['expert_imbalance']:.2f} drop {100 * m['dropped_fraction']:.1f}%"
-        if m.get("dropless_rounds", 1) > 1:
+        line += f" | load max/mean {m['expert_imbalance']:.2f}"
+        if can_drop:
+            line += f" drop {100 * m['dropped_fraction']:.1f}%"
+        elif m.get("dropless_rounds", 1) > 1:
             line += f" rounds {int(m['dropless_rounds'])}"
     if "eval_loss" in m:
         line += f" | eval {m['eval_loss']:.3f}"
