@@ -3,7 +3,7 @@
 #   make test    -> the same virtualenv plus the test and hf extras (CPU torch), run the suite on the emulated 8-device mesh
 # CI also runs `make test-newest`: the suite on the newest jax, which needs Python >= 3.12 (PY_NEWEST), and
 # `make test-gpu`: the training step compiled for 8 H200s with XLA:GPU (no GPU needed), asserted on, and
-# `make test-fp8`: FP8 training (mesh = one device, resume, DeepSeek-V3-small 200 steps bf16 vs blockwise FP8 within 4%),
+# `make test-fp8`: FP8 training (mesh = one device, resume, DeepSeek-V3-small 60 steps bf16 vs blockwise FP8 within 4%),
 # `make test-pipeline`: pipelined training steps (PP 2/4 x VP 1/2) equal to one device, checkpoints across stage counts.
 PY ?= python3
 VENV ?= .venv
@@ -55,13 +55,13 @@ test-newest: $(VENV_NEWEST)/.installed
 	$(VENV_NEWEST)/bin/python -m pytest -n 2 tests
 
 test-gpu: $(VENV_GPU)/.installed
-	MOEJAX_GPU_COMPILE=1 JAX_PLATFORMS=cpu $(VENV_GPU)/bin/python -m pytest -q tests/test_gpu_compile.py
+	MOEJAX_GPU_COMPILE=1 JAX_PLATFORMS=cpu $(VENV_GPU)/bin/python -m pytest -q -n 2 --dist loadgroup tests/test_gpu_compile.py
 
 test-fp8: $(VENV)/.installed-test
-	MOEJAX_FP8_TRAINING=1 $(VENV)/bin/python -m pytest -q -s tests/test_fp8_training.py
+	MOEJAX_FP8_TRAINING=1 $(VENV)/bin/python -m pytest -n 2 -q tests/test_fp8_training.py
 
 test-pipeline: $(VENV)/.installed-test
-	MOEJAX_PIPELINE_STEP=1 $(VENV)/bin/python -m pytest -n 2 -q tests/test_pipeline.py tests/test_pipeline_step.py
+	MOEJAX_PIPELINE_STEP=1 $(VENV)/bin/python -m pytest -n 2 -q -m pipeline_step tests/test_pipeline.py tests/test_pipeline_step.py
 
 bench: $(VENV)/.installed
 	$(VENV)/bin/python benchmarks/train_step.py --config $(CONFIG)

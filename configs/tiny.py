@@ -1,5 +1,6 @@
 """CPU default: a small DeepSeek-style MoE (1 dense layer, then shared + 16 routed experts, top-4, sigmoid
-router with aux-loss-free bias) on the embedded stdlib corpus, 8 emulated devices as data=2 x expert=4.
+router) on the embedded stdlib corpus, 8 emulated devices as data=2 x expert=4, trained with the recipe moejax
+recommends: dropless dispatch (no token is ever dropped) balanced by the aux-loss-free router bias.
 Finishes in a few minutes on 2 cores."""
 
 from moejax.config import cpu_run, default_config
@@ -17,5 +18,11 @@ def get_config():
     c.moe.n_shared_experts = 1
     c.moe.top_k = 4
     c.moe.d_ff_expert = 128
-    c.moe.bias_update_rate = 3e-2  # a 250-step run needs faster balancing than DeepSeek-V3's 1e-3
+    c.moe.dispatch = "dropless"
+    # A 250-step run needs faster balancing than DeepSeek-V3's 1e-3: in this run the router sends nearly every
+    # token to the same experts within 10 steps (max/mean load 4.0, the most top-4 of 16 allows). At 1e-2 the bias
+    # brings the busiest expert under 2x the mean by step 90 and to about 1.3-1.6x after; 3e-3 needs until step
+    # 190, and 3e-2 or 1e-1 overshoot (the sign update moves every expert by the full rate each step), as does a
+    # sequence-wise aux loss of 1e-2 (benchmarks/RESULTS.md, "Default run").
+    c.moe.bias_update_rate = 1e-2
     return c

@@ -4,7 +4,7 @@
     cfg = moejax.load_config("configs/tiny.py", {"train.steps": 50, "optim.lr": 1e-3})
     last = moejax.train(cfg, "runs/lr1e-3")          # the last logged metrics record
     report = moejax.dry_run(cfg)                     # compile for an emulated mesh, XLA vs the planner
-    ranked = moejax.plan(cfg, topology="gb300-nvl72", gpus=[256, 1024])
+    ranked = moejax.plan(cfg, topology="gb300-nvl72", gpus=[256, 1024])   # or gpus=256
 
 The same checks run as in `moejax-train`, in the same order, before anything compiles or is written.
 Errors: `moejax.InputError` (a bad config, data, checkpoint or weights directory; the CLI's exit 2, with
@@ -29,6 +29,7 @@ from pathlib import Path
 import ml_collections
 
 from moejax.config import MESH_AXES, REMAT_POLICIES, ConfigError, validate
+from moejax.config.ranges import check_choice, check_ranges, integer, number
 from moejax.errors import InputError
 from moejax.kernels.resolve import apply_kernels, devices_compute_capability, devices_platform
 
@@ -94,6 +95,12 @@ def check_config(cfg, n_devices: int) -> dict[str, int]:
     return sizes
 
 
+def check_model_config(cfg) -> None:
+    """validate() where no device count is known (moejax-plan, moejax.plan): the -1 mesh axis counts as 1, so the
+    model and run fields are checked, not whether the mesh fits some device count."""
+    validate(cfg, math.prod(max(1, int(cfg.mesh[a])) for a in MESH_AXES))
+
+
 def mesh_device_count(mesh_cfg) -> int:
     """The device count a mesh config names: the product of its axes; with an axis of -1 (whatever the devices
     leave), the smallest multiple of the other axes' product that is at least 8 (the emulated CPU mesh the
@@ -134,6 +141,7 @@ def prepare_training(cfg, workdir, *, coordinator: str | None = None, num_proces
     """Joins the job (multi-process: arguments, JAX_* variables, SLURM or Open MPI), checks the config, the
     processes' agreement, the data and WORKDIR's checkpoints, then creates WORKDIR. Raises InputError
     before anything is written, DistributedError when the job cannot be joined."""
+    check_ranges(cfg)  # needs no device: a NaN or out-of-range number is refused before jax starts or the job joins
     import jax
     from jax._src import xla_bridge  # backends_are_initialized: no public equivalent
 
@@ -204,6 +212,13 @@ def train(cfg, workdir, **join) -> dict:
 # ---------------------------------------------------------------------------------------------- planning
 
 
+# The checks of dry_run()'s and plan()'s arguments; moejax-train and moejax-plan parse their flags' text and pass
+# them here.
+_COUNT = integer(1)
+_EFFICIENCY = number(0, 1, above=True, note="the fraction of the bf16 dense peak the GEMMs reach")
+_DOMAIN_SIZE = integer(0, note="0: whole domains")
+
+
 def emulate_cpu_devices(n_devices: int) -> None:
     """Makes this process see n_devices CPU devices if jax has not started its backends yet; otherwise
     checks that it already sees at least that many (the count cannot change once jax started)."""
@@ -223,7 +238,7 @@ def dry_run(cfg, n_devices: int | None = None, target: str | None = None) -> dic
     """Compiles the real training step for an emulated mesh of n_devices CPU devices (default:
     mesh_device_count of the config) with abstract state, and returns XLA's per-device memory, FLOPs and collectives next to the
     planner's prediction (what `moejax-train --dry_run` prints and writes to dry_run.json)."""
-    n = int(n_devices) if n_devices else mesh_device_count(cfg.mesh)
+    n = _COUNT.check("n_devices", n_devices, InputError) if n_devices else mesh_device_count(cfg.mesh)
     validate(cfg, n)  # before the device count is fixed for this process
     if target:  # a GPU compile without a GPU: XLA:GPU through jax's CUDA plugin, compile-only devices
         from moejax.planner.gpu_targets import check_gpu_compile_installed, get_target, prepare_process_for_gpu_compile
@@ -239,26 +254,46 @@ def dry_run(cfg, n_devices: int | None = None, target: str | None = None) -> dic
     return compile_and_compare(cfg, n, target)
 
 
-def plan(cfg, *, topology: str, gpus: Sequence[int], efficiency: float = 0.5, domain_size: int = 0,
-         remats: Sequence[str] = REMAT_POLICIES, dispatches: Sequence[str] | None = None, top: int = 5,
-         candidates: Sequence[str] = ()) -> dict:
+def _one_or_more(name: str, value, *, may_be_empty: bool = False) -> list[tuple[str, object]]:
+    """(label, item) of an argument given as one value or a list/tuple of them: gpus=256 -> [("gpus", 256)],
+    gpus=[256, 512] -> [("gpus[0]", 256), ("gpus[1]", 512)]. A string is one value, not a list of characters."""
+    if not isinstance(value, (list, tuple, range)):
+        return [(name, value)]
+    if not value and not may_be_empty:
+        raise InputError(f"{name}={value!r}: give one value or a non-empty list of them")
+    return [(f"{name}[{i}]", v) for i, v in enumerate(value)]
+
+
+def plan(cfg, *, topology: str, gpus: int | Sequence[int], efficiency: float = 0.5, domain_size: int = 0,
+         remats: str | Sequence[str] = REMAT_POLICIES, dispatches: str | Sequence[str] | None = None, top: int = 5,
+         candidates: str | Sequence[str] = ()) -> dict:
     """`moejax-plan --topology T --gpus N,...`: the layouts that fit at each GPU count, ranked by predicted
-    step time, with the scaling between counts and the assumptions made. Nothing is compiled."""
+    step time, with the scaling between counts and the assumptions made. Nothing is compiled. gpus, remats,
+    dispatches (None: the config's) and candidates (layouts to rank and explain, e.g. "pp=2,vp=8,ep=32,data=4")
+    take one value or a list/tuple of them. Every argument is checked here (moejax-plan only parses its flags'
+    text) and the config as moejax-plan checks it; the first bad one raises InputError, in one line."""
     from moejax.config import DISPATCH_MODES
-    from moejax.parallel.topology import get_topology
+    from moejax.parallel.topology import TOPOLOGIES, TopologyError, get_topology
     from moejax.planner.search import parse_layout, plan as search
 
+    if not isinstance(topology, str):
+        raise TopologyError(f"topology={topology!r} is not a topology name; known: {', '.join(TOPOLOGIES)}")
     topo = get_topology(topology)
-    gpus = [int(g) for g in gpus]
-    if not gpus or min(gpus) <= 0:
-        raise InputError(f"gpus={gpus}: GPU counts must be positive")
-    if not 0 < efficiency <= 1:
-        raise InputError(f"efficiency={efficiency} must lie in (0, 1]")
-    for name, values, allowed in (("remat", remats, REMAT_POLICIES), ("dispatch", dispatches or (), DISPATCH_MODES)):
-        if bad := [v for v in values if v not in allowed]:
-            raise InputError(f"{name}: {bad[0]!r} is not one of {', '.join(allowed)}")
-    layouts = tuple(parse_layout(c) for c in candidates)  # e.g. "pp=2,vp=8,ep=32,data=4,remat=full,mb=1"
-    if bad := [c for c, lay in zip(candidates, layouts) if lay.n_devices not in gpus]:
-        raise InputError(f"layout {bad[0]!r} uses a GPU count not in gpus={gpus}")
-    return search(cfg, topo, gpus, efficiency=efficiency, domain_size=domain_size, remats=tuple(remats),
-                  dispatches=tuple(dispatches) if dispatches else None, top=top, candidates=layouts)
+    gpus = [int(_COUNT.check(label, g, InputError)) for label, g in _one_or_more("gpus", gpus)]
+    efficiency = float(_EFFICIENCY.check("efficiency", efficiency, InputError))
+    domain_size = int(_DOMAIN_SIZE.check("domain_size", domain_size, InputError))
+    remats = tuple(check_choice(label, r, REMAT_POLICIES, InputError) for label, r in _one_or_more("remats", remats))
+    if dispatches is not None:
+        dispatches = tuple(check_choice(label, d, DISPATCH_MODES, InputError)
+                           for label, d in _one_or_more("dispatches", dispatches))
+    top = int(_COUNT.check("top", top, InputError))
+    layouts = []
+    for label, text in _one_or_more("candidates", candidates, may_be_empty=True):
+        if not isinstance(text, str):
+            raise InputError(f"{label}={text!r} is not a layout like 'pp=2,vp=8,ep=32,data=4,remat=full,mb=1'")
+        layouts.append(parse_layout(text))
+        if layouts[-1].n_devices not in gpus:
+            raise InputError(f"layout {text!r} uses {layouts[-1].n_devices} GPUs, a count not in gpus={gpus}")
+    check_model_config(cfg)
+    return search(cfg, topo, gpus, efficiency=efficiency, domain_size=domain_size, remats=remats,
+                  dispatches=dispatches, top=top, candidates=tuple(layouts))

@@ -68,14 +68,62 @@ def test_dry_run_and_plan_refuse_bad_input_before_compiling(devices):
         moejax.plan(cfg, topology="nope", gpus=[8])
     with pytest.raises(moejax.InputError, match="efficiency"):
         moejax.plan(cfg, topology="hgx-h100", gpus=[8], efficiency=2.0)
-    with pytest.raises(moejax.InputError, match="remat: 'some' is not one of"):
+    with pytest.raises(moejax.InputError, match=r"remats\[0\]='some' is not one of"):
         moejax.plan(cfg, topology="hgx-h100", gpus=[8], remats=("some",))
+
+
+# (arguments, the message's start); each raises before any layout is searched
+BAD_PLAN_ARGUMENTS = [
+    ({"gpus": -8}, "gpus=-8: must be an integer >= 1"),
+    ({"gpus": "256"}, "gpus='256': must be an integer >= 1"),
+    ({"gpus": 2.5}, "gpus=2.5: must be an integer >= 1"),
+    ({"gpus": True}, "gpus=True: must be an integer >= 1"),
+    ({"gpus": None}, "gpus=None: must be an integer >= 1"),
+    ({"gpus": []}, "gpus=[]: give one value or a non-empty list of them"),
+    ({"gpus": (8, 0)}, "gpus[1]=0: must be an integer >= 1"),
+    ({"topology": "nvl9000"}, "unknown topology 'nvl9000'; known: gb300-nvl72"),
+    ({"topology": ["hgx-h100"]}, "topology=['hgx-h100'] is not a topology name; known: gb300-nvl72"),
+    ({"efficiency": float("nan")}, "efficiency=nan: must be a finite number in (0, 1]"),
+    ({"efficiency": "0.5"}, "efficiency='0.5': must be a finite number in (0, 1]"),
+    ({"domain_size": -1}, "domain_size=-1: must be an integer >= 0"),
+    ({"top": 0}, "top=0: must be an integer >= 1"),
+    ({"remats": "some"}, "remats='some' is not one of 'none', 'full', 'dots'"),
+    ({"remats": ()}, "remats=(): give one value or a non-empty list of them"),
+    ({"dispatches": ["capacity", "teleport"]}, "dispatches[1]='teleport' is not one of"),
+    ({"candidates": [8]}, "candidates[0]=8 is not a layout like"),
+    ({"candidates": "ep=4,data=4"}, "layout 'ep=4,data=4' uses 16 GPUs, a count not in gpus=[8]"),
+]
+
+
+@pytest.mark.parametrize("arguments,message", BAD_PLAN_ARGUMENTS, ids=[m.split(":")[0].split(" is")[0]
+                                                                       for _, m in BAD_PLAN_ARGUMENTS])
+def test_plan_refuses_a_bad_argument_in_one_line(arguments, message):
+    cfg = moejax.load_config(TINY)
+    with pytest.raises(moejax.InputError) as e:
+        moejax.plan(cfg, **{"topology": "hgx-h100", "gpus": 8, **arguments})
+    assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+
+
+def test_plan_dry_run_and_train_check_the_config_and_the_device_count(tmp_path):
+    with pytest.raises(moejax.ConfigError, match=r"^optim\.lr=nan: must be a finite number >= 0"):
+        moejax.plan(moejax.load_config(TINY, {"optim.lr": float("nan")}), topology="hgx-h100", gpus=8)
+    with pytest.raises(moejax.ConfigError, match=r"^optim\.b2=1\.5: must be a finite number in \[0, 1\)$"):
+        moejax.train(moejax.load_config(TINY, {"optim.b2": 1.5}), tmp_path / "run")  # before the job is joined
+    assert not (tmp_path / "run").exists()
+    for n, shown in ((-8, "-8"), ("8", "'8'"), (2.5, "2.5"), (True, "True")):
+        with pytest.raises(moejax.InputError, match=rf"^n_devices={shown}: must be an integer >= 1"):
+            moejax.dry_run(moejax.load_config(TINY), n)
 
 
 def test_plan_ranks_layouts():
     result = moejax.plan(moejax.load_config(TINY), topology="hgx-h100", gpus=[8, 16], remats=("none",), top=2)
     assert [r["gpus"] for r in result["runs"]] == [8, 16]
     assert result["runs"][0]["best"] and result["runs"][0]["scaling_efficiency"] == 1.0
+    # One count, one remat policy, one dispatch mode and one layout given as themselves, not as lists.
+    one = moejax.plan(moejax.load_config(TINY), topology="hgx-h100", gpus=8, remats="none", dispatches="capacity",
+                      top=2, candidates="ep=4,data=2,remat=none")
+    assert [r["gpus"] for r in one["runs"]] == [8] and one["runs"][0]["best"] == result["runs"][0]["best"]
+    assert len(one["runs"][0]["candidates"]) == 1
 
 
 def _sweep(tmp_path, *values):

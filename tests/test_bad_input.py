@@ -87,10 +87,12 @@ ROWS = [
     ("missing data path", lambda tmp: [f"--config.data.corpus={tmp / 'nowhere'}"], "does not exist (write one"),
     ("broken index", index_not_json, "is not valid JSON"),
     ("bad mixing weight", lambda tmp: [f"--config.data.corpus={byte_dir(tmp)}:heavy"], "is not a number"),
-    ("keep 0 checkpoints", lambda tmp: ["--config.checkpoint.keep=0"], "checkpoint.keep=0 must be at least 1"),
-    ("guard off", lambda tmp: ["--config.guards.max_bad_steps=0"], "guards.max_bad_steps=0 must be at least 1"),
+    ("keep 0 checkpoints", lambda tmp: ["--config.checkpoint.keep=0"], "checkpoint.keep=0: must be an integer >= 1"),
+    ("guard off", lambda tmp: ["--config.guards.max_bad_steps=0"], "guards.max_bad_steps=0: must be an integer >= 1"),
     ("negative save interval", lambda tmp: ["--config.checkpoint.every_minutes=-1"],
-     "checkpoint.every_minutes=-1.0 must be >= 0"),
+     "checkpoint.every_minutes=-1.0: must be a finite number >= 0"),
+    # every numeric field's range: tests/test_config_ranges.py (no subprocess); this row: NaN from the command line
+    ("non-finite learning rate", lambda tmp: ["--config.optim.lr=nan"], "optim.lr=nan: must be a finite number >= 0"),
 ]
 
 

@@ -3,7 +3,9 @@ plugin, compile-only devices), asserting on the compiled program: fused kernels 
 GEMMs, no [B, H, L, L] scores, no [B, L, V] logits, f32 gradient reductions.
 
 Needs the `gpu` extra (Python >= 3.12): `make test-gpu` runs this file alone and sets MOEJAX_GPU_COMPILE=1, which
-turns a missing extra into a failure; elsewhere (the CPU suite) the file skips. One compile, shared by all tests.
+turns a missing extra into a failure; elsewhere (the CPU suite) the file skips. Each compile is a module fixture
+shared by the tests that read it; those tests form one xdist group, so `make test-gpu` (`-n 2 --dist loadgroup`)
+runs the compiles two at a time without compiling any of them twice.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ def h200():
     return dry_run(gpu_config(), 8, "h200", keep_hlo=True)
 
 
+@pytest.mark.xdist_group("h200")
 def test_kernels_resolve_to_fused_gpu_kernels(h200):
     assert h200["platform"] == "gpu" and h200["device_kind"] == "NVIDIA H200"
     # Capacity dispatch: equal groups, so the grouped GEMM is a batched GEMM (Triton GEMM fusions here).
@@ -67,6 +70,7 @@ def h200_dropless():
     return dry_run(c, 8, "h200", keep_hlo=True)
 
 
+@pytest.mark.xdist_group("h200_dropless")
 def test_dropless_runs_tokamax_grouped_gemms_and_ragged_exchanges(h200_dropless):
     from moejax.parallel.hlo_kernels import array_shapes
 
@@ -95,6 +99,7 @@ def _window_rows(c, multiple):
     return tokens * k, window, overflow_window_rows(window, multiple), worst_case_rows(tokens, k, ep, n_local)
 
 
+@pytest.mark.xdist_group("h200_dropless")
 def test_dropless_receive_buffers_are_the_window_not_the_worst_case(h200_dropless):
     """Every ragged exchange's buffer is a device's routed rows (T x K), the receive window (1.25 x T x K,
     rounded to tokamax's 64-row tile) or an overflow round's quarter window (in the while loop: 0 executions
@@ -125,6 +130,7 @@ def h200_pipelined_dropless():
     return dry_run(c, 8, "h200", keep_hlo=True)
 
 
+@pytest.mark.xdist_group("h200_pipelined_dropless")
 def test_pipelined_dropless_runs_ragged_exchanges_inside_the_stages(h200_pipelined_dropless):
     """Dropless inside pipeline stages on GPUs: the exchange is chosen from the mesh's platform when traced (no
     platform_dependent under the stages' vmap), so the program moves the routed rows with ragged all-to-alls and
@@ -163,6 +169,7 @@ def gb300_dropless(tmp_path_factory):
     return _gb300_dry_run_in_own_process(tmp_path_factory.mktemp("gb300"))
 
 
+@pytest.mark.xdist_group("gb300_dropless")
 def test_dropless_on_blackwell_runs_the_tiled_einsum_and_ragged_exchanges(gb300_dropless):
     """On compute capability 10.x auto picks the block-diagonal tiled einsum (tokamax's Blackwell grouped GEMM
     cannot run inside shard_map); the exchange is still ragged, in window-sized buffers."""
@@ -176,6 +183,7 @@ def test_dropless_on_blackwell_runs_the_tiled_einsum_and_ragged_exchanges(gb300_
     assert abs(plan / xla - 1) < 0.1, (plan, xla)  # +2.3% measured 2026-12-03
 
 
+@pytest.mark.xdist_group("h200")
 def test_no_dense_attention_scores_or_logits(h200):
     from moejax.parallel.hlo_kernels import array_shapes
 
@@ -186,6 +194,7 @@ def test_no_dense_attention_scores_or_logits(h200):
     assert [s for s in shapes if s[0] == "f32" and s[1][-2:] == (CHUNK, VOCAB)], "the chunked loss's block is gone"
 
 
+@pytest.mark.xdist_group("h200")
 def test_no_dense_expansion_of_the_grouped_gemm(h200):
     from moejax.parallel.dispatch import capacity_per_expert
     from moejax.parallel.hlo_kernels import array_shapes
@@ -204,6 +213,7 @@ def test_no_dense_expansion_of_the_grouped_gemm(h200):
     assert ("bf16", (e_local, rows, D_FF_EXPERT)) in shapes, sorted(s for s in shapes if D_FF_EXPERT in s[1])
 
 
+@pytest.mark.xdist_group("h200")
 def test_gradient_reductions_are_f32(h200):
     reductions = [c for c in h200["collectives"] if c["kind"] in ("all-reduce", "reduce-scatter") and c["bytes"] > 1024]
     assert reductions
@@ -212,6 +222,7 @@ def test_gradient_reductions_are_f32(h200):
     assert {t for c in h200["collectives"] if "all-to-all" in c["kind"] for t in c["dtypes"]} <= {"bf16", "s32"}
 
 
+@pytest.mark.xdist_group("h200")
 def test_memory_next_to_the_planner(h200):
     xla, plan = h200["xla"]["memory_bytes"], h200["plan"]["memory_bytes"]
     # Measured 2026-12-03 for this config (V 2048, L 192, chunk 64): planner +12.8% over XLA:GPU's buffer
@@ -330,6 +341,7 @@ def h200_fp8():
     return dry_run(c, 8, "h200", keep_hlo=True)
 
 
+@pytest.mark.xdist_group("h200_fp8")
 def test_blockwise_fp8_on_hopper_runs_e4m3_gemms_for_projections_and_experts_only(h200_fp8):
     """model.fp8='blockwise' on 8 H200s: the projections and the expert GEMMs (forward and both backward GEMMs,
     round 0 and the dropless overflow rounds) are dots of e4m3 x e4m3 into f32 (Triton GEMM fusions); the only
@@ -352,6 +364,7 @@ def gb300_mxfp8(tmp_path_factory):
     return _gb300_dry_run_in_own_process(tmp_path_factory.mktemp("gb300_mxfp8"), **{"model.fp8": "mxfp8"})
 
 
+@pytest.mark.xdist_group("gb300_mxfp8")
 def test_mxfp8_on_blackwell_asks_for_block_scaled_gemms(gb300_mxfp8):
     """model.fp8='mxfp8' on GB300s: every FP8 GEMM reaches XLA as `jax.nn.scaled_matmul` (e4m3 operands, E8M0
     scales per 32 elements): inside the dispatch shard_map (the expert GEMMs) directly as XLA's block-scaled dot

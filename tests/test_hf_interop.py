@@ -2,7 +2,8 @@
 
 For each family a tiny random model is built in transformers (every norm, router bias and RoPE-scaling knob
 perturbed away from its default), saved, imported by moejax and compared on random tokens; then exported
-by moejax and reloaded by transformers. DeepSeek-V3's MTP module, which transformers lacks, is checked
+by moejax and reloaded by transformers. Qwen3-MoE is also built with dense layers among its MoE layers
+(`mlp_only_layers`, `decoder_sparse_step`). DeepSeek-V3's MTP module, which transformers lacks, is checked
 against a reference composed here from the paper's equations out of transformers' own decoder layer.
 """
 
@@ -12,6 +13,7 @@ import shutil
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -19,18 +21,32 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from moejax.config import default_config  # noqa: E402
 from moejax.interop import CheckpointFormatError, load_hf, save_hf  # noqa: E402
+from moejax.model.accounting import param_counts  # noqa: E402
 
 TOL = 1e-4
 VOCAB, SEQ = 96, 12
+
+def _qwen3_moe(**layers):
+    return lambda: transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+        max_position_embeddings=64, **{"num_hidden_layers": 2, **layers})
+
+
+# Qwen3-MoE with dense layers among the MoE layers: the layer kinds transformers builds, one letter per layer
+# (D dense, M MoE), and how moejax's config writes them (model.first_k_dense, model.interleaved_dense_layers).
+DENSE_AMONG_MOE = {
+    "qwen3_moe_mlp_only": ("MDMM", 0, "1"),
+    "qwen3_moe_sparse_step2": ("DMDM", 1, "2"),
+}
 
 FAMILIES = {
     "mixtral": lambda: transformers.MixtralConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64),
-    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2,
-        norm_topk_prob=True, max_position_embeddings=64),
+    "qwen3_moe": _qwen3_moe(),
+    "qwen3_moe_mlp_only": _qwen3_moe(num_hidden_layers=4, mlp_only_layers=[1]),
+    "qwen3_moe_sparse_step2": _qwen3_moe(num_hidden_layers=4, decoder_sparse_step=2),
     "deepseek_v3": lambda: transformers.DeepseekV3Config(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
         first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_group=4,
@@ -59,6 +75,16 @@ def _perturbed_model(name):
 
 def _tokens(seed=0):
     return np.random.RandomState(seed).randint(0, VOCAB, (2, SEQ))
+
+
+@nnx.jit
+def _jit_forward(model, tokens):
+    return model(tokens)
+
+
+def _forward(model, tokens):
+    """Our model's ModelOutput, jitted: one compile per structure (both layouts of a checkpoint share it)."""
+    return _jit_forward(model, jnp.asarray(tokens))
 
 
 def _hf_logits(model, tokens):
@@ -96,7 +122,7 @@ def test_import_matches_transformers_logits(family):
     assert any(k.endswith("gate_up_proj") for k in load_file(packed / "model.safetensors"))
     for directory in (per_expert, packed):
         model, _ = _ours(directory)
-        ours = np.asarray(model(jnp.asarray(tokens)).logits_BxLxV)
+        ours = np.asarray(_forward(model, tokens).logits_BxLxV)
         assert np.abs(ours - ref).max() < TOL, (name, directory.name, np.abs(ours - ref).max())
 
 
@@ -109,6 +135,30 @@ def test_export_reloads_in_transformers(family, tmp_path, packed_experts):
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
     tokens = _tokens(1)
     assert np.abs(_hf_logits(reloaded, tokens) - _hf_logits(hf_model, tokens)).max() < TOL
+
+
+@pytest.mark.parametrize("family", sorted(DENSE_AMONG_MOE), indirect=True)
+def test_dense_layers_among_moe_layers_round_trip(family, tmp_path):
+    """The layer plan survives import and export (config.json's own spelling of it), the parameter count is
+    transformers' (plus the router's selection bias, one row per MoE layer) and a re-import computes the same."""
+    name, hf_model, per_expert, _ = family
+    kinds, first_k, interleaved = DENSE_AMONG_MOE[name]
+    assert "".join("M" if "Sparse" in type(layer.mlp).__name__ else "D" for layer in hf_model.model.layers) == kinds
+    model, cfg = _ours(per_expert)
+    assert (cfg.model.first_k_dense, cfg.model.interleaved_dense_layers, cfg.model.d_ff) == (first_k, interleaved, 48)
+    n_moe = kinds.count("M")
+    hf_params = sum(p.numel() for p in hf_model.parameters())
+    assert param_counts(cfg)["total"] == hf_params + n_moe * cfg.moe.n_routed_experts
+    tokens = _tokens(3)
+    out = _forward(model, tokens)
+    assert out.stats.tokens_per_expert_E.shape == (n_moe, cfg.moe.n_routed_experts)
+    exported = save_hf(model, cfg, tmp_path / "export")
+    hf_cfg, original = (json.loads((d / "config.json").read_text()) for d in (exported, per_expert))
+    for key in ("decoder_sparse_step", "mlp_only_layers", "intermediate_size"):
+        assert hf_cfg[key] == original[key], key
+    again, cfg_again = _ours(exported)
+    assert (cfg_again.model.first_k_dense, cfg_again.model.interleaved_dense_layers) == (first_k, interleaved)
+    assert np.array_equal(np.asarray(_forward(again, tokens).logits_BxLxV), np.asarray(out.logits_BxLxV))
 
 
 def _mtp_checkpoint(tmp_path):
@@ -164,7 +214,7 @@ def test_deepseek_mtp_matches_paper_reference(tmp_path):
     model, cfg = _ours(directory)
     assert cfg.model.mtp_depth == 1
     tokens = _tokens(2)
-    out = model(jnp.asarray(tokens))
+    out = _forward(model, tokens)
     assert np.abs(np.asarray(out.logits_BxLxV) - _hf_logits(hf_model, tokens)).max() < TOL
     ref = _reference_mtp_logits(hf_model, layer, mtp, norms, tokens)
     assert np.abs(np.asarray(out.mtp_logits_DxBxLxV[0]) - ref).max() < TOL
@@ -174,7 +224,7 @@ def test_deepseek_mtp_matches_paper_reference(tmp_path):
     assert {f"model.layers.{cfg.model.n_layers}.{k}" for k in
             ("eh_proj.weight", "embed_tokens.weight", "shared_head.head.weight")} <= names
     again, _ = _ours(exported)
-    assert np.abs(np.asarray(again(jnp.asarray(tokens)).mtp_logits_DxBxLxV) - np.asarray(out.mtp_logits_DxBxLxV)).max() == 0
+    assert np.abs(np.asarray(_forward(again, tokens).mtp_logits_DxBxLxV) - np.asarray(out.mtp_logits_DxBxLxV)).max() == 0
 
 
 def _rewrite(directory, edit):

@@ -1,5 +1,5 @@
-"""Model families on the mesh: MLA + YaRN + MTP (DeepSeek-V3-shaped) and GQA with q/k norm (Qwen3-style)
-give the same loss and gradients on a sharded mesh as on one device; packed documents never see each
+"""Model families on the mesh: MLA + YaRN + MTP (DeepSeek-V3-shaped) and GQA with q/k norm and a dense layer
+among its MoE layers (Qwen3-MoE-style) give the same loss and gradients on a sharded mesh as on one device; packed documents never see each
 other; the DeepSeek-V3-shaped CPU config trains through the CLI with its MTP loss reported."""
 
 import json
@@ -42,7 +42,8 @@ def mla_mtp_config():
 def gqa_qknorm_config():
     c = default_config()
     m, e = c.model, c.moe
-    m.d_model, m.n_layers, m.first_k_dense, m.n_heads, m.n_kv_heads, m.head_dim = 32, 2, 0, 4, 2, 8
+    m.d_model, m.n_layers, m.first_k_dense, m.n_heads, m.n_kv_heads, m.head_dim = 32, 3, 0, 4, 2, 8
+    m.interleaved_dense_layers, m.d_ff = "1", 64  # MoE, dense, MoE (Qwen3-MoE's mlp_only_layers=[1])
     m.qk_norm, m.init_std, m.remat = True, 0.1, "none"
     e.n_routed_experts, e.top_k, e.d_ff_expert, e.n_shared_experts = 8, 2, 16, 0
     e.score_func, e.capacity_factor, e.batch_aux_loss_coef = "softmax", 0.0, 1e-2
@@ -144,3 +145,30 @@ def test_deepseek_v3_small_trains_with_mla_and_mtp(tmp_path):
     assert records[-1]["loss"] < records[0]["loss"] - 0.3, [r["loss"] for r in records]
     assert records[-1]["mtp_loss"] < records[0]["mtp_loss"]
     assert len(records[-1]["expert_imbalance_per_layer"]) == 1 + 1  # 1 MoE layer + the MTP module's
+
+
+def test_dense_layers_among_moe_layers_are_counted_and_refused_where_unsupported():
+    from moejax.config import ConfigError
+    from moejax.config.layers import layer_plan
+    from moejax.model.accounting import flops_per_token, param_counts
+    from moejax.planner.predict import stage_options
+
+    cfg = gqa_qknorm_config()
+    plan = layer_plan(cfg.model)
+    assert (plan.is_moe, plan.runs) == ((True, False, True), ((True, 0, 1), (False, 0, 1), (True, 1, 1)))
+    model = nnx.eval_shape(lambda: create_model(cfg, 0))
+    assert model.dense_layers.ffn.w_up_DxF.shape == (1, 32, 64)
+    assert model.moe_layers.ffn.router.bias_E.shape == (2, 8)  # one router-bias row per MoE layer
+    assert sum(x.size for x in jax.tree.leaves(nnx.state(model))) == param_counts(cfg)["total"]
+    first = gqa_qknorm_config()  # the same layers, the dense one first: the same parameters and FLOPs
+    first.model.first_k_dense, first.model.interleaved_dense_layers = 1, ""
+    assert (param_counts(cfg), flops_per_token(cfg)) == (param_counts(first), flops_per_token(first))
+    assert stage_options(cfg, 8, 8) == [(1, 1)] and len(stage_options(first, 8, 8)) > 1
+    cfg.mesh.stage, cfg.train.micro_batches = 2, 2
+    with pytest.raises(ConfigError, match="pipeline stages run the MoE layers only"):
+        create_model(cfg, 0)
+    for bad, match in (("2,1", "ascending"), ("1,1", "ascending"), ("3", r"\[model.first_k_dense=0"),
+                       ("x", "comma-separated")):
+        cfg.model.interleaved_dense_layers = bad
+        with pytest.raises(ConfigError, match=match):
+            layer_plan(cfg.model)

@@ -73,18 +73,19 @@ def main(argv=None) -> int:
     if cfg is None:  # --help
         return 0
 
-    from moejax.config import ConfigError, validate
+    from moejax.api import check_model_config
+    from moejax.config import ConfigError
     from moejax.model.accounting import accounting_report
 
     try:
-        validate(cfg, n_devices=_fixed(cfg.mesh))
+        check_model_config(cfg)
     except ConfigError as e:
         return _usage_error(str(e))
     report = {"model": accounting_report(cfg, FLAGS.seq_len)}
     if FLAGS.topology or FLAGS.gpus:
         try:
             report["plan"] = _layouts(cfg)
-        except InputError as e:  # unknown topology, bad --gpus/--remat/--dispatch lists
+        except InputError as e:  # unknown topology, bad --gpus/--remat/--dispatch/--top/... (checked by moejax.plan)
             return _usage_error(str(e))
     if FLAGS.json:
         print(json.dumps(report, indent=2))
@@ -98,30 +99,25 @@ def main(argv=None) -> int:
 
 
 def _layouts(cfg) -> dict:
-    """--topology/--gpus: the ranked layouts (moejax.plan)."""
+    """--topology/--gpus: the ranked layouts (moejax.plan, which checks every argument; here only the flags' text
+    is split into lists)."""
     from moejax import api
 
     if not (FLAGS.topology and FLAGS.gpus):
         raise InputError("--topology and --gpus go together, e.g. --topology gb300-nvl72 --gpus 256,512,1024")
     try:
-        gpus = [int(g) for g in FLAGS.gpus.split(",") if g.strip()]
+        gpus = [int(g) for g in _split(FLAGS.gpus)]
     except ValueError:
         raise InputError(f"--gpus={FLAGS.gpus!r} is not a comma-separated list of GPU counts") from None
-    remats = tuple(r.strip() for r in FLAGS.remat.split(",") if r.strip())
-    dispatches = tuple(d.strip() for d in FLAGS.dispatch.split(",")) if FLAGS.dispatch else None
     return api.plan(cfg, topology=FLAGS.topology, gpus=gpus, efficiency=FLAGS.efficiency,
-                    domain_size=FLAGS.domain_size, remats=remats, dispatches=dispatches, top=FLAGS.top,
+                    domain_size=FLAGS.domain_size, remats=_split(FLAGS.remat),
+                    dispatches=_split(FLAGS.dispatch) if FLAGS.dispatch else None, top=FLAGS.top,
                     candidates=FLAGS.layout)
 
 
-def _fixed(mesh_cfg) -> int:
-    """A device count the config's mesh accepts (the -1 axis set to 1): the model is checked, not the mesh."""
-    from moejax.config import MESH_AXES
-
-    n = 1
-    for a in MESH_AXES:
-        n *= max(1, int(mesh_cfg[a]))
-    return n
+def _split(text: str) -> list[str]:
+    """A flag's comma-separated list: 'a, b,' -> ['a', 'b']."""
+    return [x.strip() for x in text.split(",") if x.strip()]
 
 
 if __name__ == "__main__":

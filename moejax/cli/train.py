@@ -63,13 +63,19 @@ def main(argv=None) -> int:
         return _usage_error(str(e))
     if cfg is None:  # --help
         return 0
+    from moejax.config.ranges import check_ranges  # jax-free: a bad number is refused before jax loads
+    from moejax.errors import InputError
+
+    try:
+        check_ranges(cfg)
+    except InputError as e:
+        return _usage_error(str(e))
     if FLAGS.dry_run:
         return _dry_run(cfg)
     if not FLAGS.workdir:
         return _usage_error("--workdir is required")
 
     from moejax import api
-    from moejax.errors import InputError
     from moejax.training.distributed import DistributedError
     from moejax.training.loop import NonFiniteLoss, Stopped
 

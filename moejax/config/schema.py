@@ -40,6 +40,10 @@ def default_config() -> ml_collections.ConfigDict:
     m.d_model = 128
     m.n_layers = 4
     m.first_k_dense = 1  # DeepSeek-style: the first k layers use a dense FFN
+    # Later layers that also use a dense FFN (d_ff wide), among the MoE layers (Qwen3-MoE's mlp_only_layers /
+    # decoder_sparse_step): comma-separated 0-based layer indices, ascending, each >= first_k_dense, e.g. "3,7";
+    # "": none. Not with pipeline stages (they run the MoE layers only). moejax/config/layers.py reads it.
+    m.interleaved_dense_layers = ""
     m.attention = "gqa"
     m.n_heads = 4
     m.n_kv_heads = 0  # gqa: key/value heads; 0 means n_heads (plain multi-head attention)

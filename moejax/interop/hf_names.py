@@ -16,6 +16,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
+from moejax.config.layers import layer_plan
 from moejax.interop.hf_config import hf_format_of
 
 
@@ -181,14 +182,15 @@ def hf_links(cfg, *, packed_experts) -> list[Link]:
     packed_experts: True/False for writing; the set of names present when reading."""
     m = cfg.model
     fmt = hf_format_of(cfg)
+    plan = layer_plan(m)
     links = [_one("model.embed_tokens.weight", Piece(("embed", "table_VxD"), None, None), _identity())]
     for i in range(m.n_layers):
         prefix = f"model.layers.{i}"
-        if i < m.first_k_dense:
-            links += _attention_links(cfg, prefix, "dense_layers", i)
-            links += _dense_mlp_links(f"{prefix}.mlp", lambda name, i=i: Piece(("dense_layers", "ffn", name), i, None))
+        moe, j = plan.stack_index(i)  # HF layer i is layer j of our dense or MoE stack
+        if not moe:
+            links += _attention_links(cfg, prefix, "dense_layers", j)
+            links += _dense_mlp_links(f"{prefix}.mlp", lambda name, j=j: Piece(("dense_layers", "ffn", name), j, None))
         else:
-            j = i - m.first_k_dense
             links += _attention_links(cfg, prefix, "moe_layers", j)
             links += _moe_links(cfg, prefix, "moe_layers", j, fmt, packed_experts)
     for k in range(m.mtp_depth):  # DeepSeek-V3 stores MTP module k as layer n_layers + k
@@ -224,6 +226,6 @@ def known_duplicates(cfg) -> dict[str, tuple]:
 def zero_initialised(cfg) -> set[tuple]:
     """moejax state the HF format does not hold and that starts at zero: the router's selection bias for
     formats whose routers have none (mixtral, qwen3_moe). Export refuses a non-zero one."""
-    if hf_format_of(cfg) == "deepseek_v3" or cfg.model.n_layers == cfg.model.first_k_dense:
+    if hf_format_of(cfg) == "deepseek_v3" or layer_plan(cfg.model).n_moe == 0:
         return set()
     return {("moe_layers", "ffn", "router", "bias_E")}

@@ -12,6 +12,8 @@ MTP modules are counted as full MoE layers (attention + routed/shared experts), 
 
 from __future__ import annotations
 
+from moejax.config.layers import layer_plan
+
 FLOPS_PER_MAC_TRAIN = 6  # 2 FLOPs per multiply-add x 3 GEMMs (fwd, dgrad, wgrad)
 
 
@@ -47,12 +49,13 @@ def macs_per_token(cfg, seq_len: int) -> float:
     """Forward multiply-adds per token of one training sequence of length seq_len (MTP included)."""
     m, e = cfg.model, cfg.moe
     n_layers = m.n_layers + m.mtp_depth  # each MTP module runs one more (MoE) block
-    n_moe = n_layers - m.first_k_dense
+    n_dense = layer_plan(m).n_dense
+    n_moe = n_layers - n_dense
     dense_ffn = 3 * m.d_model * m.d_ff
     moe_ffn = 3 * m.d_model * e.d_ff_expert * (e.top_k + e.n_shared_experts)
     mtp_extra = m.mtp_depth * (3 * m.d_model + 2 * m.d_model * m.d_model)  # norms (Megatron) + eh_proj
     heads = (1 + m.mtp_depth) * m.d_model * m.vocab_size
-    return (n_layers * _attention_macs_per_token(m, seq_len) + m.first_k_dense * dense_ffn
+    return (n_layers * _attention_macs_per_token(m, seq_len) + n_dense * dense_ffn
             + n_moe * moe_ffn + mtp_extra + heads)
 
 
@@ -62,10 +65,10 @@ def _moe_layer_macs_per_token(m, e, seq_len: int) -> float:
 
 def pipelined_macs_fraction(cfg, seq_len: int) -> float:
     """The share of macs_per_token in the decoder's MoE layers: what pipeline stages split (mesh.stage > 1); the
-    embedding, the first-k dense layers, MTP and the heads run outside the pipeline."""
+    embedding, the dense layers, MTP and the heads run outside the pipeline."""
     m = cfg.model
     per_layer = _moe_layer_macs_per_token(m, cfg.moe, seq_len)
-    return (m.n_layers - m.first_k_dense) * per_layer / macs_per_token(cfg, seq_len)
+    return layer_plan(m).n_moe * per_layer / macs_per_token(cfg, seq_len)
 
 
 def mtp_blocks_macs_fraction(cfg, seq_len: int) -> float:
@@ -82,10 +85,10 @@ def fp8_macs_fraction(cfg, seq_len: int) -> float:
     m, e = cfg.model, cfg.moe
     if m.get("fp8", "none") == "none":
         return 0.0
-    n_layers = m.n_layers + m.mtp_depth
+    n_layers, n_dense = m.n_layers + m.mtp_depth, layer_plan(m).n_dense
     proj, _ = _attention_macs_split(m, seq_len)
-    fp8 = (n_layers * proj + m.first_k_dense * 3 * m.d_model * m.d_ff
-           + (n_layers - m.first_k_dense) * 3 * m.d_model * e.d_ff_expert * (e.top_k + e.n_shared_experts)
+    fp8 = (n_layers * proj + n_dense * 3 * m.d_model * m.d_ff
+           + (n_layers - n_dense) * 3 * m.d_model * e.d_ff_expert * (e.top_k + e.n_shared_experts)
            + m.mtp_depth * 2 * m.d_model * m.d_model)
     return fp8 / macs_per_token(cfg, seq_len)
 
@@ -117,16 +120,17 @@ def param_counts(cfg) -> dict[str, int]:
     all) and of the MTP modules (`mtp`, `mtp_active`; they share the embedding and head). The router's
     selection bias is counted (it is in every checkpoint)."""
     m, e = cfg.model, cfg.moe
-    n_moe = m.n_layers - m.first_k_dense
+    plan = layer_plan(m)
+    n_moe = plan.n_moe
     attn = attention_params(m)
     ffn_norm = m.d_model
     dense_ffn = 3 * m.d_model * m.d_ff + ffn_norm
     expert = 3 * m.d_model * e.d_ff_expert
     moe_common = expert * e.n_shared_experts + m.d_model * e.n_routed_experts + e.n_routed_experts + ffn_norm
     embed_head = 2 * m.vocab_size * m.d_model + m.d_model  # embedding, head, final norm
-    common = m.n_layers * attn + m.first_k_dense * dense_ffn + n_moe * moe_common + embed_head
+    common = m.n_layers * attn + plan.n_dense * dense_ffn + n_moe * moe_common + embed_head
     # An MTP module: enorm, hnorm, eh_proj [2D -> D], one block, its own norm before the shared head.
-    mtp_is_moe = n_moe > 0  # the module's block sits after the dense layers
+    mtp_is_moe = n_moe > 0  # the module's block is a MoE block when the decoder has MoE layers
     mtp_ffn_total = (moe_common + e.n_routed_experts * expert) if mtp_is_moe else dense_ffn
     mtp_ffn_active = (moe_common + e.top_k * expert) if mtp_is_moe else dense_ffn
     mtp_common = 3 * m.d_model + 2 * m.d_model * m.d_model + attn

@@ -1,5 +1,7 @@
-"""Decoder stack: embedding, first-k dense blocks, MoE blocks (each a scan over layers with remat), final
-norm and LM head, then the Multi-Token Prediction modules on the last hidden state.
+"""Decoder stack: embedding, dense and MoE blocks (two stacks, each a scan over layers with remat), final
+norm and LM head, then the Multi-Token Prediction modules on the last hidden state. The dense blocks are the first
+model.first_k_dense layers plus model.interleaved_dense_layers (config/layers.py); the layers run in their order, as
+contiguous runs of one stack's layers (the default, dense layers first: the two stacks whole, one after the other).
 
 With pipeline stages (mesh.stage > 1) the MoE blocks run as a circular pipeline over the `stage` mesh axis
 (moejax/parallel/pipeline.py) on train.micro_batches micro-batches: the embedding and dense blocks before it, the
@@ -20,6 +22,7 @@ from jax.ad_checkpoint import checkpoint_name
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from moejax.config.layers import check_pipeline_layers, layer_plan
 from moejax.kernels import fp8
 from moejax.kernels.resolve import model_kernels
 from moejax.model.attention import make_attention
@@ -126,7 +129,7 @@ class StackLayout(NamedTuple):
 def moe_stack_layout(cfg) -> StackLayout:
     """The MoE stack's storage for this config: [L] without stages and for an even split without virtual stages (the
     stage count alone changes no shape); [V, S C] (padded chunks, parallel/pipeline.py's layer_slots) otherwise."""
-    n_moe = int(cfg.model.n_layers) - int(cfg.model.first_k_dense)
+    n_moe = layer_plan(cfg.model).n_moe
     stages, virtual = int(cfg.mesh.get("stage", 1)), int(cfg.mesh.get("virtual_stages", 1))
     if stages <= 1 or n_moe == 0:
         return StackLayout((n_moe,), tuple(range(n_moe)))
@@ -177,6 +180,14 @@ def _remat(fn, remat: str):
     return fn if remat == "none" else nnx.remat(fn, policy=_REMAT_POLICIES[remat])
 
 
+def _layer_range(blocks, start: int, stop: int):
+    """Layers [start, stop) of stacked blocks, as stacked blocks (a slice of every variable's layer dim)."""
+    graphdef, state = nnx.split(blocks)
+    state = jax.tree.map(lambda var: var.replace(var.get_value()[start:stop]), state,
+                         is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return nnx.merge(graphdef, state)
+
+
 def _run_stack(blocks, x_BxLxD, positions_BxL, segment_ids_BxL, remat: str, is_layer_L=None):
     """The stacked blocks in order. is_layer_L: [L] bool or None; a False slot (an uneven pipeline split's
     identity slot) passes its input through (its block still runs: stages compute in lockstep)."""
@@ -204,7 +215,7 @@ class MTPModule(nnx.Module):
         self.hidden_norm = RMSNorm(m.d_model, eps=m.norm_eps, param_dtype=pdt)
         self.f32_grad = grads_in_f32(m)
         self.w_eh_2DxD = param(rngs, (2 * m.d_model, m.d_model), ("mtp_concat", "embed"), std=m.init_std, dtype=pdt)
-        self.block = Block(cfg, moe=m.n_layers > m.first_k_dense, rngs=rngs)
+        self.block = Block(cfg, moe=layer_plan(m).n_moe > 0, rngs=rngs)
         self.out_norm = RMSNorm(m.d_model, eps=m.norm_eps, param_dtype=pdt)
 
     def __call__(self, h_BxLxD, next_emb_BxLxD, positions_BxL, segment_ids_BxL=None):
@@ -221,11 +232,15 @@ def shift_left(tokens_BxL, k: int, fill: int = 0):
     return jnp.concatenate([tokens_BxL[:, k:], jnp.full_like(tokens_BxL[:, :k], fill)], axis=1)
 
 
+def _concat_stats(parts: list[MoEStats]) -> MoEStats | None:
+    """Statistics [rows, ...] of consecutive layers, their rows one after the other."""
+    if len(parts) <= 1:
+        return parts[0] if parts else None
+    return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *parts)
+
+
 def _stack_stats(main: MoEStats | None, extra: list[MoEStats]) -> MoEStats | None:
-    rows = ([main] if main is not None else []) + [jax.tree.map(lambda x: x[None], s) for s in extra]
-    if not rows:
-        return None
-    return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *rows)
+    return _concat_stats(([main] if main is not None else []) + [jax.tree.map(lambda x: x[None], s) for s in extra])
 
 
 class Transformer(nnx.Module):
@@ -239,10 +254,13 @@ class Transformer(nnx.Module):
         # The loss kernel lm_loss runs over this model's LM head (kernels.loss; moejax/kernels/cross_entropy.py).
         self.loss_kernel = model_kernels(cfg)["loss"]
         self.loss_chunk = int(cfg.kernels.loss_chunk)
-        self.n_dense = m.first_k_dense
-        self.n_moe = m.n_layers - m.first_k_dense
+        plan = layer_plan(m)
+        self.n_dense, self.n_moe = plan.n_dense, plan.n_moe
+        # (is MoE, first index in its stack, layers) per run of one kind, in layer order (a static attribute)
+        self.layer_runs = plan.runs
         # Pipeline stages (mesh.stage > 1): the MoE stack runs as a circular pipeline over train.micro_batches.
         self.stages, self.virtual_stages = int(cfg.mesh.get("stage", 1)), int(cfg.mesh.get("virtual_stages", 1))
+        check_pipeline_layers(m, self.stages)
         self.pipelined = self.stages > 1 and self.n_moe > 0
         self.micro_batches = int(cfg.train.micro_batches)
         self.embed = Embed(m.vocab_size, m.d_model, rngs=rngs, std=m.init_std, param_dtype=pdt)
@@ -295,13 +313,18 @@ class Transformer(nnx.Module):
         else:
             positions_BxL = segment_positions(segment_ids_BxL)
         x_BxLxD = constrain(self.embed(tokens_BxL, self.dtype), ACT_BxLxD)
-        if self.dense_layers is not None:
-            x_BxLxD, _ = _run_stack(self.dense_layers, x_BxLxD, positions_BxL, segment_ids_BxL, self.remat)
-        if self.pipelined:
+        if self.pipelined:  # the dense layers all come first (check_pipeline_layers)
+            if self.dense_layers is not None:
+                x_BxLxD, _ = _run_stack(self.dense_layers, x_BxLxD, positions_BxL, segment_ids_BxL, self.remat)
             return self._pipelined(x_BxLxD, tokens_BxL, positions_BxL, segment_ids_BxL)
-        stats = None
-        if self.moe_layers is not None:
-            x_BxLxD, stats = _run_stack(self.moe_layers, x_BxLxD, positions_BxL, segment_ids_BxL, self.remat)
+        moe_stats = []  # one per run of MoE layers, in layer order
+        for moe, start, count in self.layer_runs:
+            stack, size = (self.moe_layers, self.n_moe) if moe else (self.dense_layers, self.n_dense)
+            blocks = stack if count == size else _layer_range(stack, start, start + count)
+            x_BxLxD, stats = _run_stack(blocks, x_BxLxD, positions_BxL, segment_ids_BxL, self.remat)
+            if moe:
+                moe_stats.append(stats)
+        stats = _concat_stats(moe_stats)
         mtp_h_DxBxLxD, mtp_stats = self._mtp(self.mtp, self.embed, x_BxLxD, tokens_BxL, positions_BxL,
                                              segment_ids_BxL)
         return HiddenOutput(self.final_norm(x_BxLxD), mtp_h_DxBxLxD, _stack_stats(stats, mtp_stats))

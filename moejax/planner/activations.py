@@ -50,6 +50,7 @@ from flax import nnx
 from jax.sharding import AbstractMesh, AxisType
 
 from moejax.config import MESH_AXES
+from moejax.config.layers import layer_plan
 from moejax.model.loss import lm_loss
 from moejax.model.transformer import Block, _remat
 from moejax.planner.state_shapes import state_leaves
@@ -183,7 +184,8 @@ def activation_terms(cfg, micro_batch: int, seq_len: int, remat: str, *, tensor:
     m = c.model
     key = c.to_json_best_effort(sort_keys=True)
     d_model = int(m.d_model)
-    n_moe_blocks = int(m.n_layers) - int(m.first_k_dense)
+    plan = layer_plan(m)
+    n_moe_blocks = plan.n_moe
     n_moe_blocks += int(m.get("mtp_depth", 0)) if n_moe_blocks else 0  # an MTP module's block is a MoE block
     ep = expert if n_moe_blocks else 1  # no MoE layer: expert only splits the batch
     weights = {leaf.shape: leaf for leaf in state_leaves(c)[0]}
@@ -195,7 +197,7 @@ def activation_terms(cfg, micro_batch: int, seq_len: int, remat: str, *, tensor:
     if ep > 1:
         saved += n_moe_blocks * (moe_layer - _bytes(_block(key, True, micro_batch, seq_len, 1, remat), d_model, 1, tensor))
     layer = 0
-    kinds = [False] * (int(m.first_k_dense) > 0) + [True] * (int(m.n_layers) > int(m.first_k_dense))
+    kinds = [False] * (plan.n_dense > 0) + [True] * (plan.n_moe > 0)
     if remat != "none":
         for moe in kinds:
             e = ep if moe else 1  # a dense block's per-device residuals do not depend on the expert axis

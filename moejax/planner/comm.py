@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import jax.numpy as jnp
 
+from moejax.config.layers import layer_plan
 from moejax.parallel.dispatch import capacity_per_expert
 from moejax.parallel.mesh import BATCH_AXES
 from moejax.parallel.pipeline import chunk_slots, schedule_ticks
@@ -92,7 +93,7 @@ def step_traffic(cfg, layout: Layout, seq_len: int | None = None) -> list[Traffi
     n_micro = layout.n_micro(int(cfg.train.global_batch))
     tokens = layout.micro_batch * seq  # per device per pass
     recompute = layout.remat != "none"
-    n_decoder_moe = int(m.n_layers) - int(m.first_k_dense)
+    n_decoder_moe = layer_plan(m).n_moe
     n_moe = n_decoder_moe + int(m.get("mtp_depth", 0))
     piped = layout.stage > 1
     ticks = schedule_ticks(layout.stage, n_micro, layout.virtual) if piped else 0

@@ -7,6 +7,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from moejax.config import MESH_AXES
+from moejax.config.layers import layer_plan
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ def layout_config(cfg, layout: Layout):
     stages, virtual = int(cfg.mesh.get("stage", 1)), int(cfg.mesh.get("virtual_stages", 1))
     # A candidate whose chunks do not split the MoE layers (e.g. a published layout with another layer split): the
     # stage's parameters are the same bytes stored [L, ...] as [V, L / V, ...], so its shapes are taken from V = 1.
-    n_pipelined = int(cfg.model.n_layers) - int(cfg.model.first_k_dense)
+    n_pipelined = layer_plan(cfg.model).n_moe
     want = (layout.stage, layout.virtual if n_pipelined % (layout.stage * layout.virtual) == 0 else 1)
     if (stages, virtual) == want:
         return cfg

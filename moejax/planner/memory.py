@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 
 import jax.numpy as jnp
 
+from moejax.config.layers import layer_plan
 from moejax.parallel.pipeline import chunk_slots, schedule_ticks
 from moejax.planner.activations import activation_terms
 from moejax.planner.layout import Layout, layout_config
@@ -100,7 +101,7 @@ def estimate_memory(cfg, layout: Layout, seq_len: int | None = None, platform: s
     saved, logits = act.saved, act.logits
     if layout.stage > 1:
         n_micro = layout.n_micro(int(cfg.train.global_batch))
-        n_pipelined = int(cfg.model.n_layers) - int(cfg.model.first_k_dense)
+        n_pipelined = layer_plan(cfg.model).n_moe
         outside = max(0, act.saved - n_pipelined * act.moe_layer)  # embedding, dense layers, MTP, loss
         per_chunk = chunk_slots(n_pipelined, layout.stage, layout.virtual)  # an uneven split's identity slots too
         # The parts outside the stages hold 1/S of the rows each (parallel/mesh.batch_axes).

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moejax.config import REMAT_POLICIES, ConfigError, validate
+from moejax.config.layers import layer_plan
 from moejax.model.accounting import (flops_per_token, fp8_macs_fraction, mtp_blocks_macs_fraction,
                                      pipelined_macs_fraction)
 from moejax.parallel.pipeline import bubble_fraction, chunk_slots
@@ -126,7 +127,7 @@ def stage_terms(cfg, layout: Layout, seq: int) -> tuple[float, float]:
         return 0.0, 1.0
     bubble = bubble_fraction(layout.stage, layout.n_micro(int(cfg.train.global_batch)), layout.virtual)
     piped, mtp = pipelined_macs_fraction(cfg, seq), mtp_blocks_macs_fraction(cfg, seq)
-    n_moe = int(cfg.model.n_layers) - int(cfg.model.first_k_dense)
+    n_moe = layer_plan(cfg.model).n_moe
     padded = chunk_slots(n_moe, layout.stage, layout.virtual) * layout.stage * layout.virtual / n_moe  # identity slots
     n_micro = layout.n_micro(int(cfg.train.global_batch))
     mtp_share = -(-n_micro // layout.stage) * layout.stage / n_micro  # padded rounds of MTP passes
@@ -142,7 +143,10 @@ def stage_options(cfg, n_gpus: int, domain_size: int, max_virtual: int = 8) -> l
     equal pieces of each) with a MoE layer per stage at least, and for each, every virtual-stage count up to
     max_virtual (uneven splits pay for their identity slots: stage_terms) and one layer per chunk when the stages
     split the layers; (1, 1) always."""
-    n_pipelined = int(cfg.model.n_layers) - int(cfg.model.first_k_dense)
+    plan = layer_plan(cfg.model)
+    if not plan.dense_first:  # dense layers among the MoE layers: no pipeline stages (config/layers.py)
+        return [(1, 1)]
+    n_pipelined = plan.n_moe
     domains = max(1, n_gpus // domain_size) if domain_size else 1
     out = [(1, 1)]
     for stages in _divisors(n_gpus)[1:]:
