@@ -120,7 +120,7 @@ def test_plan_ranks_layouts():
     assert [r["gpus"] for r in result["runs"]] == [8, 16]
     assert result["runs"][0]["best"] and result["runs"][0]["scaling_efficiency"] == 1.0
     # One count, one remat policy, one dispatch mode and one layout given as themselves, not as lists.
-    one = moejax.plan(moejax.load_config(TINY), topology="hgx-h100", gpus=8, remats="none", dispatches="capacity",
+    one = moejax.plan(moejax.load_config(TINY), topology="hgx-h100", gpus=8, remats="none", dispatches="dropless",
                       top=2, candidates="ep=4,data=2,remat=none")
     assert [r["gpus"] for r in one["runs"]] == [8] and one["runs"][0]["best"] == result["runs"][0]["best"]
     assert len(one["runs"][0]["candidates"]) == 1
