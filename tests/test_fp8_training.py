@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.fp8_training
 if os.environ.get("MOEJAX_FP8_TRAINING") != "1":
     pytest.skip("minutes of CPU each: `make test-fp8` (MOEJAX_FP8_TRAINING=1) runs them", allow_module_level=True)
 

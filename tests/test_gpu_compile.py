@@ -2,10 +2,10 @@
 plugin, compile-only devices), asserting on the compiled program: fused kernels for attention and the expert
 GEMMs, no [B, H, L, L] scores, no [B, L, V] logits, f32 gradient reductions.
 
-Needs the `gpu` extra (Python >= 3.12): `make test-gpu` runs this file alone and sets MOEJAX_GPU_COMPILE=1, which
-turns a missing extra into a failure; elsewhere (the CPU suite) the file skips. Each compile is a module fixture
-shared by the tests that read it; those tests form one xdist group, so `make test-gpu` (`-n 2 --dist loadgroup`)
-runs the compiles two at a time without compiling any of them twice.
+Needs the `gpu` extra (Python >= 3.12): `make test-gpu` runs this file alone, `make test-newest` with the suite;
+both set MOEJAX_GPU_COMPILE=1, which turns a missing extra into a failure; elsewhere (the CPU suite) the file
+skips. Each compile is a module fixture shared by the tests that read it; those tests form one xdist group, so
+with `-n 2 --dist loadgroup` the compiles run two at a time and none of them twice.
 """
 
 from __future__ import annotations
