@@ -4,8 +4,9 @@ GEMMs, no [B, H, L, L] scores, no [B, L, V] logits, f32 gradient reductions.
 
 Needs the `gpu` extra (Python >= 3.12): `make test-gpu` runs this file alone, `make test-newest` with the suite;
 both set MOEJAX_GPU_COMPILE=1, which turns a missing extra into a failure; elsewhere (the CPU suite) the file
-skips. Each compile is a module fixture shared by the tests that read it; those tests form one xdist group, so
-with `-n 2 --dist loadgroup` the compiles run two at a time and none of them twice.
+skips. Each compile is a session fixture (a module fixture would be torn down and compiled again whenever a worker
+runs another file's tests in between) shared by the tests that read it; those tests form one xdist group, so with
+`-n 2 --dist loadgroup` the compiles run two at a time and none of them twice.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def gpu_config(dispatch="capacity"):
     return c
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def h200():
     os.environ["JAX_PLATFORMS"] = "cpu"
     from moejax.planner.dry_run import dry_run
@@ -60,7 +61,7 @@ def test_kernels_resolve_to_fused_gpu_kernels(h200):
     assert not [t for t in calls if "fmha" in t]  # no cuDNN attention was asked for
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def h200_dropless():
     os.environ["JAX_PLATFORMS"] = "cpu"
     from moejax.planner.dry_run import dry_run
@@ -118,7 +119,7 @@ def test_dropless_receive_buffers_are_the_window_not_the_worst_case(h200_droples
     assert 1.0 <= plan / xla < 1.3, (plan, xla)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def h200_pipelined_dropless():
     os.environ["JAX_PLATFORMS"] = "cpu"
     from moejax.planner.dry_run import dry_run
@@ -164,7 +165,7 @@ def _gb300_dry_run_in_own_process(work, **extra):
     return json.loads((work / "dry_run.json").read_text())
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def gb300_dropless(tmp_path_factory):
     return _gb300_dry_run_in_own_process(tmp_path_factory.mktemp("gb300"))
 
@@ -331,7 +332,7 @@ def _dots_with_shapes(hlo: str) -> list[tuple[str, str]]:
             for m in re.finditer(r"= \w+\[[^\]]*\]\S* dot\((%[\w.\-]+), (%[\w.\-]+)\)", hlo)]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def h200_fp8():
     os.environ["JAX_PLATFORMS"] = "cpu"
     from moejax.planner.dry_run import dry_run
@@ -359,7 +360,7 @@ def test_blockwise_fp8_on_hopper_runs_e4m3_gemms_for_projections_and_experts_onl
     assert all(s.split("[")[0] in ("bf16", "f32") for d in others for s in d), others
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def gb300_mxfp8(tmp_path_factory):
     return _gb300_dry_run_in_own_process(tmp_path_factory.mktemp("gb300_mxfp8"), **{"model.fp8": "mxfp8"})
 
