@@ -1,9 +1,13 @@
 """AdamW with linear warmup + cosine decay, global-norm clipping, no weight decay on norm scales.
 
-The optimizer gives AdamW's direction (clipped gradient -> Adam moments -> decoupled weight decay); the train
-step multiplies it by `lr_schedule(step)` of the step counter itself. One clock: a step skipped by the
-non-finite guard still advances the schedule (its batch is consumed), and the logged `lr` is the one applied.
-Adam's own count (bias correction) counts only the updates applied.
+`make_optimizer` is the optax chain (clipped gradient -> Adam moments -> decoupled weight decay): it defines the
+optimizer state (what checkpoints hold) and is the reference the train step's update is tested against.
+The train step applies it through `adamw_update`: the same arithmetic as the chain followed by
+`apply_learning_rate`, `optax.apply_updates` and the non-finite guard's select, written so that no
+gradient-sized temporary is left besides the gradient itself (see its docstring). The learning rate is
+`lr_schedule(step)` of the step counter itself. One clock: a step skipped by the non-finite guard still advances
+the schedule (its batch is consumed), and the logged `lr` is the one applied. Adam's own count (bias correction)
+counts only the updates applied.
 """
 
 from __future__ import annotations
@@ -41,3 +45,51 @@ def make_optimizer(optim_cfg) -> optax.GradientTransformation:
 def apply_learning_rate(direction, lr: jax.Array):
     """The update: -lr x the direction (what optax.adamw's scale_by_learning_rate does, with lr given)."""
     return jax.tree.map(lambda d: jnp.asarray(-lr, d.dtype) * d, direction)
+
+
+def adamw_update(optim_cfg, grads, opt_state, params, lr: jax.Array, apply: jax.Array):
+    """(params, opt_state) after one step of make_optimizer's chain at learning rate `lr`, or unchanged where
+    `apply` is False (the non-finite guard): the chain's arithmetic, operation for operation.
+
+    Why not tx.update + apply_updates + a select: that program reads each old moment again after the new one is
+    written (the guard's select, the update direction), and optax's clip divides every element by the norm, which
+    XLA will not duplicate into each consumer. XLA then keeps a clipped copy of the gradient tree and copies of the
+    donated moments and parameters: on the compiled step (CPU, 8 devices, benchmarks/RESULTS.md "Memory") the
+    temporaries were the gradients plus one or two more gradient-sized trees. Here each moment's new value is
+    computed from its old value and the gradient in one expression (read once, written in place), the clip scale
+    is a scalar multiply that fuses into both moments, and the parameters read the new moments (equal to the
+    unselected ones whenever the step applies)."""
+    o = optim_cfg
+    clip_state, adam, decay_state = opt_state
+    g_norm = optax.tree.norm(grads)
+    # optax.clip_by_global_norm: t if norm < max else t / norm * max. The scale as one scalar (rounding differs from
+    # t / norm * max by at most one ulp of f32).
+    clip_scale = jnp.where(g_norm < o.clip_norm, 1.0, o.clip_norm / g_norm)
+    count = jnp.where(adam.count < jnp.iinfo(jnp.int32).max, adam.count + 1, adam.count)  # optax safe_increment
+    bias_mu, bias_nu = 1 - o.b1 ** count, 1 - o.b2 ** count
+    decay = _decay_mask(params)
+
+    def moments(g, mu, nu):
+        g = g * clip_scale.astype(g.dtype)
+        mu_new = (1 - o.b1) * g + o.b1 * mu
+        nu_new = (1 - o.b2) * (g ** 2) + o.b2 * nu
+        return jnp.where(apply, mu_new, mu), jnp.where(apply, nu_new, nu)
+
+    mu_nu = jax.tree.map(moments, grads, adam.mu, adam.nu)
+    is_pair = lambda x: isinstance(x, tuple)  # noqa: E731
+    mu = jax.tree.map(lambda pair: pair[0], mu_nu, is_leaf=is_pair)
+    nu = jax.tree.map(lambda pair: pair[1], mu_nu, is_leaf=is_pair)
+
+    def param(p, mu, nu, decays):
+        direction = (mu / bias_mu.astype(mu.dtype)) / (jnp.sqrt(nu / bias_nu.astype(nu.dtype)) + o.eps)
+        if decays and o.weight_decay:  # optax skips a zero decay
+            direction = direction + o.weight_decay * p
+        new = jnp.asarray(p + jnp.asarray(-lr, direction.dtype) * direction).astype(p.dtype)
+        return jnp.where(apply, new, p)
+
+    decays_of = jax.tree.map(bool, jax.tree.leaves(decay))
+    leaves, treedef = jax.tree.flatten(params)
+    new_leaves = [param(p, m, n, d) for p, m, n, d in zip(leaves, jax.tree.leaves(mu), jax.tree.leaves(nu),
+                                                           decays_of, strict=True)]
+    adam = adam._replace(count=jnp.where(apply, count, adam.count), mu=mu, nu=nu)
+    return treedef.unflatten(new_leaves), (clip_state, adam, decay_state)

@@ -14,7 +14,7 @@ from moejax.model.loss import lm_loss, target_mask
 from moejax.model.moe import combine_micro_stats, exact_dispatch
 from moejax.parallel.mesh import batch_sharding
 from moejax.parallel.pipeline import micro_batches
-from moejax.program.optim import apply_learning_rate, lr_schedule
+from moejax.program.optim import adamw_update, lr_schedule
 from moejax.program.state import TrainState
 
 
@@ -91,7 +91,7 @@ def _accumulate(state, graphdef, tokens_BxL1, segments_BxL1, mtp_weight, mtp_dep
     return jnp.sum(loss_N), parts.ce, stats, parts, grads
 
 
-def train_step(state: TrainState, batch: dict, *, graphdef, tx, schedule, bias_rate: float,
+def train_step(state: TrainState, batch: dict, *, graphdef, optim_cfg, schedule, bias_rate: float,
                mtp_weight: float = 0.0, mtp_depth: int = 0, nan_steps: tuple[int, ...] = (), micro_batches: int = 1):
     """One optimizer step on batch {"tokens", "segment_ids"} ([B, L + 1] int32; or just the tokens). A step whose loss or
     gradient is not finite changes nothing but the step counter (its batch is skipped) and reports
@@ -113,8 +113,7 @@ def train_step(state: TrainState, batch: dict, *, graphdef, tx, schedule, bias_r
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     lr = schedule(state.step)  # the step counter is the schedule's clock, skipped steps included
-    direction, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, apply_learning_rate(direction, lr))
+    params, opt_state = adamw_update(optim_cfg, grads, state.opt_state, state.params, lr, finite)
     model_state = state.model_state
     if stats is not None and bias_rate:
         # The bias follows the loads of this step, summed over the whole mesh (psum in dispatch).
@@ -122,10 +121,7 @@ def train_step(state: TrainState, batch: dict, *, graphdef, tx, schedule, bias_r
         model.update_router_bias(stats.tokens_per_expert_E, bias_rate)
         _, _, model_state = nnx.split(model, nnx.Param, ...)
     # jnp.where, not lax.cond: the select fuses into the update's elementwise pass and keeps donation.
-    keep_if_bad = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
-    params = keep_if_bad(params, state.params)
-    opt_state = keep_if_bad(opt_state, state.opt_state)
-    model_state = keep_if_bad(model_state, state.model_state)
+    model_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), model_state, state.model_state)
     metrics = {"loss": ce, "total_loss": loss, "grad_norm": grad_norm, "skipped": 1.0 - finite.astype(jnp.float32),
                "lr": lr, **_moe_metrics(stats, model_state)}
     if parts.mtp_ce_D.shape[0]:
@@ -148,7 +144,8 @@ def parse_steps(spec: str) -> tuple[int, ...]:
 
 def jit_train_step(cfg, graphdef, tx, mesh: Mesh, shardings):
     """jax.jit of the train step with the state donated and every in/out sharding explicit."""
-    fn = functools.partial(train_step, graphdef=graphdef, tx=tx, schedule=lr_schedule(cfg.optim, cfg.train.steps),
+    del tx  # the state was made with make_optimizer(cfg.optim); the step applies that chain (optim.adamw_update)
+    fn = functools.partial(train_step, graphdef=graphdef, optim_cfg=cfg.optim, schedule=lr_schedule(cfg.optim, cfg.train.steps),
                            bias_rate=float(cfg.moe.bias_update_rate), mtp_weight=float(cfg.model.mtp_loss_weight),
                            mtp_depth=int(cfg.model.mtp_depth),
                            nan_steps=parse_steps(cfg.guards.inject_nan_steps),
