@@ -23,6 +23,9 @@ ATTENTION_KERNELS = ("auto", "xla", "cudnn", "tokamax_mosaic", "tokamax_triton")
 EXPERT_GEMM_KERNELS = ("auto", "einsum", "tile_loop", "ragged_dot", "tokamax")
 LOSS_KERNELS = ("auto", "dense", "chunked")
 REMAT_POLICIES = ("none", "full", "dots")
+# Where the Adam moments live (README "Memory"): like the parameters, or also split over `data` (a distributed
+# optimizer: ZeRO-1, Megatron-Core's distributed optimizer).
+OPTIMIZER_STATE_SHARDINGS = ("params", "data")
 ATTENTION_KINDS = ("gqa", "mla")  # gqa covers MHA (n_kv_heads == n_heads); mla is DeepSeek's latent attention
 ROPE_SCALINGS = ("none", "yarn")
 
@@ -146,6 +149,10 @@ def default_config() -> ml_collections.ConfigDict:
     o.eps = 1e-8
     o.weight_decay = 0.1
     o.clip_norm = 1.0
+    # params: Adam moments sharded like their parameters | data: also split over the `data` mesh axis, each data
+    # rank updating its slice and the new parameters all-gathered over data (costs one all-gather of the
+    # parameters per step; no effect where mesh.data is 1)
+    o.state_sharding = "data"
 
     c.checkpoint = ck = ml_collections.ConfigDict()
     ck.every_steps = 0  # 0: only at the end of the run (and on SIGTERM/SIGINT)

@@ -45,6 +45,7 @@ from moejax.parallel.mesh import BATCH_AXES
 from moejax.parallel.pipeline import chunk_slots, schedule_ticks
 from moejax.planner.layout import Layout, in_domain_factors, layout_config
 from moejax.planner.state_shapes import state_leaves
+from moejax.program.state import optimizer_state_axes
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,7 @@ def step_traffic(cfg, layout: Layout, seq_len: int | None = None) -> list[Traffi
 
     params, _, _ = state_leaves(layout_config(cfg, layout))
     tp = layout.tensor
+    over = optimizer_state_axes(cfg)
     for leaf in params:
         f = sizes["fsdp"] if leaf.sharded_over("fsdp") else 1
         shard = leaf.local_bytes(sizes)
@@ -190,6 +192,10 @@ def step_traffic(cfg, layout: Layout, seq_len: int | None = None) -> list[Traffi
                                    f"grad sum (fsdp) {leaf.path}", param_t))
             if replicas:
                 out.append(Traffic("all-reduce", replicas, shard // piece, grad_sums, f"grad sum {leaf.path}", param_t))
+        if over and leaf.split_further(sizes, over).sharded_over("data"):
+            # A distributed optimizer (optim.state_sharding=data): each data rank updates its slice, and the new
+            # parameters are all-gathered over data once per step (program/optim.adamw_update).
+            out.append(Traffic("all-gather", ("data",), shard, 1, f"optimizer gather {leaf.path}", param_t))
         if tp > 1 and leaf.sharded_over("tensor"):
             rows = tokens // layout.stage if outside else tokens
             out += _tensor_traffic(leaf, rows, n_exp * capacity_per_expert(tokens, k, n_exp, float(e.capacity_factor)),

@@ -33,7 +33,7 @@ from moejax.planner.layout import Layout
 from moejax.planner.memory import estimate_memory
 from moejax.planner.predict import domain_size_for
 from moejax.program.optim import make_optimizer
-from moejax.program.state import abstract_state, model_graphdef, state_shardings
+from moejax.program.state import abstract_state, model_graphdef, train_state_shardings
 from moejax.program.step import jit_train_step
 
 
@@ -59,7 +59,7 @@ def dry_run(cfg, n_devices: int, target: str | None = None, *, keep_hlo: bool = 
                      allow_cross_domain=bool(cfg.mesh.allow_cross_domain_experts))
     tx = make_optimizer(cfg.optim)
     abstract = abstract_state(cfg, tx)
-    shardings = state_shardings(abstract, mesh)
+    shardings = train_state_shardings(cfg, abstract, mesh)
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
     # What the training loop feeds: packed rows with their document ids.
     rows = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.train.seq_len + 1), jnp.int32,

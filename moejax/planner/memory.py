@@ -1,14 +1,20 @@
 """Per-device memory of one training step: state, gradients, optimizer transients, activations.
 
   params, opt_state   every leaf of the abstract train state at its sharded size (exact)
-  grads               one gradient per parameter in its dtype, at its size before the fsdp reduction
-  clip_copy           optax's global-norm clip materialises the scaled gradient tree before Adam reads it
-                      twice (mu and nu): one more gradient-sized buffer at the optimizer update
+  grads               one gradient per parameter in its dtype, at its sharded size: the backward reduces each
+                      layer's weight gradient to its shard inside the layer loop (the dispatch's expert weights by
+                      an explicit psum_scatter, the rest by GSPMD: all-reduce + slice on XLA:CPU, reduce-scatter on
+                      XLA:GPU), so the loop's gradient carry is sharded like the parameters (read in the compiled
+                      HLO of CPU and H200 steps, benchmarks/RESULTS.md "Memory"); the one layer being reduced is
+                      in layer_live
+  grad_accumulator    gradient accumulation (micro-batches without pipeline stages): the running sum beside one
+                      pass's gradient, both sharded
   activations         what the forward saves for the backward under the remat policy (planner/activations.py)
   layer_transient     what one remat'd block rematerialises for its backward (attention scores of the XLA
                       reference attention, MoE dispatch buffers at the layout's expert parallelism)
   logits              the loss over the vocabulary: every head's logits and f32 log-softmax, one f32 gradient
-                      (the loss and the layers' backward are different phases: the peak holds the larger)
+                      (the loss runs before the layers' backward: no layer gradient exists yet; the peak holds the
+                      larger phase)
   layer_live          the layer being differentiated: its weights gathered over fsdp (compute dtype) and
                       their gradients before the fsdp reduction (param dtype)
 
@@ -34,6 +40,7 @@ from moejax.parallel.pipeline import chunk_slots, schedule_ticks
 from moejax.planner.activations import activation_terms
 from moejax.planner.layout import Layout, layout_config
 from moejax.planner.state_shapes import state_leaves
+from moejax.program.state import optimizer_state_axes
 
 
 @dataclass(frozen=True)
@@ -41,7 +48,7 @@ class MemoryEstimate:
     params: int
     opt_state: int
     grads: int
-    clip_copy: int
+    grad_accumulator: int
     activations: int
     layer_transient: int
     logits: int
@@ -54,15 +61,18 @@ class MemoryEstimate:
 
     @property
     def backward(self) -> int:
-        """Beside the state during the backward: the gradients, the saved activations, the layer being
-        differentiated and the larger transient (one block's rematerialised internals, or the loss)."""
-        return (self.grads + self.activations + self.layer_live + self.stage_copies
-                + max(self.layer_transient, self.logits))
+        """Beside the state during the backward: the saved activations (and the accumulated gradient), then the
+        larger of two phases: the loss over the vocabulary, which runs before any layer's weight gradient exists,
+        or the layers' backward, which holds the gradients, the layer being differentiated and its transient."""
+        return (self.grad_accumulator + self.activations + self.stage_copies
+                + max(self.logits, self.grads + self.layer_live + self.layer_transient))
 
     @property
     def optimizer(self) -> int:
-        """Beside the state at the update: the gradients and the clipped copy (activations are freed)."""
-        return self.grads + self.clip_copy
+        """Beside the state at the update: the gradient (activations are freed). The update is one fused
+        elementwise pass that writes the moments and parameters in place (program/optim.adamw_update): no clipped
+        copy of the gradient, no copy of the moments."""
+        return self.grads
 
     @property
     def total(self) -> int:
@@ -91,10 +101,15 @@ def estimate_memory(cfg, layout: Layout, seq_len: int | None = None, platform: s
     sizes = layout.sizes
     params, model_state, opt = state_leaves(layout_config(cfg, layout))
     param_bytes = sum(leaf.local_bytes(sizes) for leaf in params) + sum(leaf.local_bytes(sizes) for leaf in model_state)
-    grads = sum(leaf.local_bytes(sizes) for leaf in params)
-    # GSPMD sums an fsdp-sharded weight's gradient at its full (unsharded over fsdp) size and slices after
-    # the sum (seen in the compiled HLO), so the backward holds gradients at that size.
-    unreduced = sum(leaf.local_bytes(sizes, drop=("fsdp",)) for leaf in params)
+    over = optimizer_state_axes(cfg)
+    # A distributed optimizer's moments are split over data too, and so is the gradient of a weight GSPMD
+    # partitions: it reduces each layer's gradient over data inside the loop to the slice the moments need
+    # (reduce-scatter on XLA:GPU). The routed experts' gradient is summed over data explicitly inside the dispatch
+    # shard_map (parallel/dispatch._weights_bwd): XLA:GPU keeps it whole over data (XLA:CPU slices it after the
+    # sum). Both read in compiled steps at data 8 (benchmarks/RESULTS.md "Memory").
+    grads = sum((leaf if leaf.expert and platform != "cpu" else leaf.split_further(sizes, over)).local_bytes(sizes)
+                for leaf in params)
+    accumulating = layout.stage == 1 and layout.n_micro(int(cfg.train.global_batch)) > 1
     compute_itemsize = jnp.dtype(cfg.model.dtype).itemsize
     act = activation_terms(cfg, layout.micro_batch, seq, layout.remat, tensor=layout.tensor, expert=layout.expert,
                            dispatch=layout.dispatch, platform=platform)
@@ -110,9 +125,9 @@ def estimate_memory(cfg, layout: Layout, seq_len: int | None = None, platform: s
         logits = logits * n_micro // layout.stage
     return MemoryEstimate(
         params=param_bytes,
-        opt_state=sum(leaf.local_bytes(sizes) for leaf in opt),
-        grads=unreduced,
-        clip_copy=grads,
+        opt_state=sum(leaf.split_further(sizes, over).local_bytes(sizes) for leaf in opt),
+        grads=grads,
+        grad_accumulator=grads if accumulating else 0,
         activations=saved,
         layer_transient=act.layer,
         logits=logits,

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 import jax
 import ml_collections
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from moejax.parallel.mesh import LOGICAL_RULES
 from moejax.program.optim import make_optimizer
-from moejax.program.state import abstract_state
+from moejax.program.state import abstract_state, split_further
 
 
 LAYER_AXES = ("layers", "stage_layers", "repeat")  # logical names of the layer-stacking dims (parallel/mesh.py)
@@ -74,8 +75,27 @@ class Leaf:
         kept = {a: (1 if a in drop else s) for a, s in sizes.items()}
         return math.prod(self.local_shape(kept)) * self.itemsize
 
+    def split_further(self, sizes: dict[str, int], axes: tuple[str, ...]) -> "Leaf":
+        """This leaf as a distributed optimizer stores its moments: also split over `axes` where a dim divides
+        (program/state.split_further), expressed as a leaf whose dims carry those mesh axes."""
+        spec = P(*(self.mesh_axes(i) or None for i in range(len(self.shape))))
+        further = split_further(spec, self.shape, sizes, axes)
+        return _SplitLeaf(self.path, self.shape, self.itemsize, self.logical,
+                          tuple(((e,) if isinstance(e, str) else tuple(e or ())) for e in
+                                list(further) + [None] * (len(self.shape) - len(further))))
+
     def sharded_over(self, axis: str) -> bool:
         return any(axis in self.mesh_axes(i) for i in range(len(self.shape)))
+
+
+@dataclass(frozen=True)
+class _SplitLeaf(Leaf):
+    """A Leaf whose mesh axes per dim are given (a distributed optimizer's moment), not read from LOGICAL_RULES."""
+
+    axes: tuple[tuple[str, ...], ...] = ()
+
+    def mesh_axes(self, dim: int) -> tuple[str, ...]:
+        return self.axes[dim]
 
 
 def _leaves(tree) -> list[Leaf]:

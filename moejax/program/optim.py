@@ -47,7 +47,7 @@ def apply_learning_rate(direction, lr: jax.Array):
     return jax.tree.map(lambda d: jnp.asarray(-lr, d.dtype) * d, direction)
 
 
-def adamw_update(optim_cfg, grads, opt_state, params, lr: jax.Array, apply: jax.Array):
+def adamw_update(optim_cfg, grads, opt_state, params, lr: jax.Array, apply: jax.Array, moment_shardings=None):
     """(params, opt_state) after one step of make_optimizer's chain at learning rate `lr`, or unchanged where
     `apply` is False (the non-finite guard): the chain's arithmetic, operation for operation.
 
@@ -58,7 +58,12 @@ def adamw_update(optim_cfg, grads, opt_state, params, lr: jax.Array, apply: jax.
     temporaries were the gradients plus one or two more gradient-sized trees. Here each moment's new value is
     computed from its old value and the gradient in one expression (read once, written in place), the clip scale
     is a scalar multiply that fuses into both moments, and the parameters read the new moments (equal to the
-    unselected ones whenever the step applies)."""
+    unselected ones whenever the step applies).
+
+    moment_shardings (NamedShardings like the params; a distributed optimizer's moments split over `data`): each
+    update is computed where its moments live, so a data rank updates its slice and the new parameters are
+    all-gathered to their own sharding (by the step's out_shardings); without the constraint GSPMD may gather the
+    moments instead."""
     o = optim_cfg
     clip_state, adam, decay_state = opt_state
     g_norm = optax.tree.norm(grads)
@@ -80,16 +85,19 @@ def adamw_update(optim_cfg, grads, opt_state, params, lr: jax.Array, apply: jax.
     mu = jax.tree.map(lambda pair: pair[0], mu_nu, is_leaf=is_pair)
     nu = jax.tree.map(lambda pair: pair[1], mu_nu, is_leaf=is_pair)
 
-    def param(p, mu, nu, decays):
+    def param(p, mu, nu, decays, sharding):
         direction = (mu / bias_mu.astype(mu.dtype)) / (jnp.sqrt(nu / bias_nu.astype(nu.dtype)) + o.eps)
         if decays and o.weight_decay:  # optax skips a zero decay
             direction = direction + o.weight_decay * p
+        if sharding is not None:
+            direction = jax.lax.with_sharding_constraint(direction, sharding)
         new = jnp.asarray(p + jnp.asarray(-lr, direction.dtype) * direction).astype(p.dtype)
         return jnp.where(apply, new, p)
 
     decays_of = jax.tree.map(bool, jax.tree.leaves(decay))
     leaves, treedef = jax.tree.flatten(params)
-    new_leaves = [param(p, m, n, d) for p, m, n, d in zip(leaves, jax.tree.leaves(mu), jax.tree.leaves(nu),
-                                                           decays_of, strict=True)]
+    shardings = [None] * len(leaves) if moment_shardings is None else jax.tree.leaves(moment_shardings)
+    new_leaves = [param(*args) for args in zip(leaves, jax.tree.leaves(mu), jax.tree.leaves(nu), decays_of, shardings,
+                                               strict=True)]
     adam = adam._replace(count=jnp.where(apply, count, adam.count), mu=mu, nu=nu)
     return treedef.unflatten(new_leaves), (clip_state, adam, decay_state)

@@ -7,6 +7,7 @@ every array is born sharded on the mesh; nothing is materialised on one device f
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -47,19 +48,55 @@ def _create_state(cfg, tx, seed) -> TrainState:
                       opt_state=tx.init(params))
 
 
-def state_shardings(abstract_state, mesh: Mesh):
-    """NamedSharding per leaf: Variables (params, and the optimizer moments that mirror them) follow
-    their logical axes; scalars and counters are replicated."""
+def optimizer_state_axes(cfg) -> tuple[str, ...]:
+    """Mesh axes the Adam moments are split over beyond their parameters' (optim.state_sharding)."""
+    return ("data",) if cfg.optim.get("state_sharding", "params") == "data" else ()
 
-    def sharding_of(x):
+
+def split_further(spec: P, shape, axis_sizes, axes: tuple[str, ...]) -> P:
+    """spec (of an array of `shape` on a mesh of axis_sizes: {axis: size}) with `axes` (those of size > 1 it does not use yet) added to the dim that keeps the largest slice and
+    divides evenly; unchanged where no dim divides (small leaves stay replicated over them)."""
+    entries = [(e,) if isinstance(e, str) else tuple(e or ()) for e in list(spec) + [None] * (len(shape) - len(spec))]
+    used = {a for e in entries for a in e}
+    extra = tuple(a for a in axes if axis_sizes[a] > 1 and a not in used)
+    n_extra = math.prod(axis_sizes[a] for a in extra)
+    if n_extra == 1:
+        return spec
+    local = [dim // math.prod(axis_sizes[a] for a in e) for dim, e in zip(shape, entries)]
+    fits = [i for i in range(len(shape)) if local[i] % n_extra == 0 and shape[i] % math.prod(
+        axis_sizes[a] for a in entries[i]) == 0]
+    if not fits:
+        return spec
+    best = max(fits, key=lambda i: (local[i], i))
+    entries[best] = (*entries[best], *extra)
+    return P(*(None if not e else e[0] if len(e) == 1 else e for e in entries))
+
+
+def state_shardings(abstract_state, mesh: Mesh, *, moments_over: tuple[str, ...] = ()):
+    """NamedSharding per leaf: Variables (params, and the optimizer moments that mirror them) follow
+    their logical axes; scalars and counters are replicated. moments_over (optimizer_state_axes): a TrainState's
+    optimizer moments are also split over these mesh axes (a distributed optimizer)."""
+
+    def sharding_of(x, over=()):
         if _is_variable(x):
             names = x.get_metadata().get("logical_axes")
             spec = logical_to_spec(names) if names is not None else P()
+            if over:
+                spec = split_further(spec, x.get_value().shape, mesh.shape, over)
             # Keep the Variable node so the shardings tree has exactly the state's structure.
             return x.replace(NamedSharding(mesh, spec))
         return NamedSharding(mesh, P())
 
-    return jax.tree.map(sharding_of, abstract_state, is_leaf=_is_variable)
+    shardings = jax.tree.map(sharding_of, abstract_state, is_leaf=_is_variable)
+    if moments_over and isinstance(abstract_state, TrainState):
+        opt = jax.tree.map(lambda x: sharding_of(x, moments_over), abstract_state.opt_state, is_leaf=_is_variable)
+        shardings = shardings.replace(opt_state=opt)
+    return shardings
+
+
+def train_state_shardings(cfg, abstract: TrainState, mesh: Mesh) -> TrainState:
+    """state_shardings of a run's train state: the optimizer moments where cfg.optim.state_sharding puts them."""
+    return state_shardings(abstract, mesh, moments_over=optimizer_state_axes(cfg))
 
 
 def abstract_state(cfg, tx):
@@ -68,7 +105,7 @@ def abstract_state(cfg, tx):
 
 def init_state(cfg, tx, mesh: Mesh, seed: int) -> tuple[TrainState, object]:
     """(state sharded on mesh, its shardings)."""
-    shardings = state_shardings(abstract_state(cfg, tx), mesh)
+    shardings = train_state_shardings(cfg, abstract_state(cfg, tx), mesh)
     create = jax.jit(functools.partial(_create_state, cfg, tx), static_argnums=0, out_shardings=shardings)
     with jax.set_mesh(mesh):
         return create(seed), shardings
@@ -109,8 +146,8 @@ def restack(state: TrainState, abstract, shardings, mesh: Mesh, saved_like, cfg)
         return jax.jit(restacked, out_shardings=shardings)(jax.tree.leaves(state))
 
 
-def restore_shardings(abstract, mesh: Mesh):
-    """state_shardings, with a dim left whole where its mesh axes do not divide it (a restore target in another
+def restore_shardings(abstract, mesh: Mesh, cfg=None):
+    """train_state_shardings (state_shardings without cfg), with a dim left whole where its mesh axes do not divide it (a restore target in another
     stacking: [V', L / V'] need not split over this run's stages)."""
     def even(sharding, leaf):
         spec = list(sharding.spec) + [None] * (len(leaf.shape) - len(sharding.spec))
@@ -123,4 +160,5 @@ def restore_shardings(abstract, mesh: Mesh):
                 spec[i] = None
         return NamedSharding(mesh, P(*spec))
 
-    return jax.tree.map(even, state_shardings(abstract, mesh), abstract)
+    shardings = state_shardings(abstract, mesh) if cfg is None else train_state_shardings(cfg, abstract, mesh)
+    return jax.tree.map(even, shardings, abstract)

@@ -16,7 +16,7 @@ from moejax.config.changes import Continuation, changed_fields
 from moejax.errors import InputError
 from moejax.interop.safetensors_io import CheckpointFormatError
 from moejax.interop.weights_dir import is_training_checkpoint, load_weights, read_config
-from moejax.program.state import TrainState, abstract_state, state_shardings
+from moejax.program.state import TrainState, abstract_state, train_state_shardings
 
 
 class WeightsMismatchError(InputError):
@@ -38,7 +38,7 @@ def init_state_from_weights(cfg, tx, mesh: Mesh, directory) -> tuple[TrainState,
             raise WeightsMismatchError(f"checkpoint.init_from={directory}: {mismatch[0]}"
                                        + (f" (and {len(mismatch) - 1} more)" if len(mismatch) > 1 else ""))
         abstract = abstract_state(cfg, tx)
-        shardings = state_shardings(abstract, mesh)
+        shardings = train_state_shardings(cfg, abstract, mesh)
         if is_training_checkpoint(directory):
             params, model_state = _restore_weights_of_checkpoint(directory, abstract, shardings)
         else:

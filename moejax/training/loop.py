@@ -28,7 +28,7 @@ from moejax.parallel.mesh import batch_sharding, mesh_from_config
 from moejax.parallel.pipeline import describe_split
 from moejax.program.optim import make_optimizer
 from moejax.program.state import (abstract_state, init_state, model_graphdef, restack, restore_shardings,
-                                  stacked_like, state_shardings)
+                                  stacked_like, train_state_shardings)
 from moejax.program.step import jit_eval_step, jit_train_step
 from moejax.program.weights import init_state_from_weights
 from moejax.training import metrics as M
@@ -198,13 +198,13 @@ def _initial_state(cfg, tx, mesh, checkpointer: Checkpointer, start: int, finger
     the imported weights of checkpoint.init_from, else a fresh init from the seed."""
     if start:
         abstract = abstract_state(cfg, tx)
-        shardings = state_shardings(abstract, mesh)
+        shardings = train_state_shardings(cfg, abstract, mesh)
         saved_like = stacked_like(checkpointer.saved_config(start), cfg)
         if saved_like is None:
             state, meta = checkpointer.restore(start, abstract, shardings)
         else:  # saved with another storage of the MoE stack (virtual stages, uneven split): moved into ours
             saved_abstract = abstract_state(saved_like, tx)
-            state, meta = checkpointer.restore(start, saved_abstract, restore_shardings(saved_abstract, mesh))
+            state, meta = checkpointer.restore(start, saved_abstract, restore_shardings(saved_abstract, mesh, cfg))
             state = restack(state, abstract, shardings, mesh, saved_like, cfg)
         if meta["data"]["fingerprint"] != fingerprint:
             raise CheckpointError(f"the data changed since checkpoint {start} was saved ({meta['data']['fingerprint']}"
