@@ -2,7 +2,7 @@
 
 The layers, bottom first (README, "Architecture"):
 
-    errors, units              leaves
+    errors, units, remat_names leaves
     config                     schema, pure validation, the table of fields that may change between runs
     kernels                    the hot-path kernels (attention, grouped GEMM, loss) and which one runs where
     data, parallel             the data pipeline; devices -> mesh, dispatch, topology, HLO reading
@@ -28,7 +28,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "moejax"
 
 LAYERS = (
-    ("errors", "units"),
+    ("errors", "units", "remat_names"),
     ("config",),
     ("kernels",),
     ("data", "parallel"),

@@ -22,7 +22,10 @@ DROP_POLICIES = ("position", "probability")
 ATTENTION_KERNELS = ("auto", "xla", "cudnn", "tokamax_mosaic", "tokamax_triton")
 EXPERT_GEMM_KERNELS = ("auto", "einsum", "tile_loop", "ragged_dot", "tokamax")
 LOSS_KERNELS = ("auto", "dense", "chunked")
-REMAT_POLICIES = ("none", "full", "dots")
+# Remat policies (README "Memory"): none keeps everything; full keeps each block's input only; dots keeps the
+# unbatched matmul outputs; attention keeps core attention's output; moe keeps that, the expert all-to-all results
+# and the routed GEMM outputs (recomputing norms, projections, router and shared expert).
+REMAT_POLICIES = ("none", "full", "dots", "attention", "moe")
 # Where the Adam moments live (README "Memory"): like the parameters, or also split over `data` (a distributed
 # optimizer: ZeRO-1, Megatron-Core's distributed optimizer).
 OPTIMIZER_STATE_SHARDINGS = ("params", "data")

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
 from moejax.kernels import fp8
@@ -27,6 +28,7 @@ from moejax.kernels.varying import int_cotangent as _int_cotangent
 from moejax.kernels.varying import mark_varying as _mark_varying
 from moejax.kernels.varying import varying as _varying
 from moejax.kernels.varying import varying_union as _varying_union
+from moejax.remat_names import EXPERT_GEMM
 
 
 def row_multiple(kernel: str) -> int:
@@ -89,16 +91,16 @@ def ragged_expert_ffn(x_RxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, group_sizes
     if fp8.active() != "none":  # resolve.py refuses this combination before anything compiles
         raise ValueError(f"expert GEMM kernel {kernel!r} has no FP8 path; FP8 expert GEMMs use kernel 'einsum'")
     dot = _ragged_dot_fn(kernel)
-    gate_RxF = dot(x_RxD, w_gate_ExDxF, group_sizes_E)
-    up_RxF = dot(x_RxD, w_up_ExDxF, group_sizes_E)
-    y = dot(jax.nn.silu(gate_RxF) * up_RxF, w_down_ExFxD, group_sizes_E)
+    gate_RxF = checkpoint_name(dot(x_RxD, w_gate_ExDxF, group_sizes_E), EXPERT_GEMM)
+    up_RxF = checkpoint_name(dot(x_RxD, w_up_ExDxF, group_sizes_E), EXPERT_GEMM)
+    y = checkpoint_name(dot(jax.nn.silu(gate_RxF) * up_RxF, w_down_ExFxD, group_sizes_E), EXPERT_GEMM)
     return jax.lax.psum(y, ffn_axis) if ffn_axis else y
 
 
 def _einsum_ffn(x_ExCxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD):
-    gate_ExCxF = fp8.einsum("ecd,edf->ecf", x_ExCxD, w_gate_ExDxF)
-    up_ExCxF = fp8.einsum("ecd,edf->ecf", x_ExCxD, w_up_ExDxF)
-    return fp8.einsum("ecf,efd->ecd", jax.nn.silu(gate_ExCxF) * up_ExCxF, w_down_ExFxD)
+    gate_ExCxF = checkpoint_name(fp8.einsum("ecd,edf->ecf", x_ExCxD, w_gate_ExDxF), EXPERT_GEMM)
+    up_ExCxF = checkpoint_name(fp8.einsum("ecd,edf->ecf", x_ExCxD, w_up_ExDxF), EXPERT_GEMM)
+    return checkpoint_name(fp8.einsum("ecf,efd->ecd", jax.nn.silu(gate_ExCxF) * up_ExCxF, w_down_ExFxD), EXPERT_GEMM)
 
 
 @jax.custom_vjp

@@ -6,12 +6,14 @@ from __future__ import annotations
 import functools
 
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from flax import nnx
 
 from moejax.kernels.attention import attention as kernel_attention
 from moejax.model.layers import RMSNorm, dtype_of, grads_in_f32, param, project
 from moejax.model.rope import apply_rope, rope_spec, softmax_scale
 from moejax.parallel.mesh import map_over_batch_heads
+from moejax.remat_names import ATTENTION_OUT
 
 
 def attention_core(q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, segment_ids_BxL, scale: float, kernel: str):
@@ -20,8 +22,10 @@ def attention_core(q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, segment_ids_BxL, scale: floa
     each device's batch rows and heads."""
     fn = functools.partial(kernel_attention, scale=scale, kernel=kernel)
     if kernel == "xla":
-        return fn(q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, segment_ids_BxL)
-    return map_over_batch_heads(fn, q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, segment_ids_BxL)
+        out = fn(q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, segment_ids_BxL)
+    else:
+        out = map_over_batch_heads(fn, q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, segment_ids_BxL)
+    return checkpoint_name(out, ATTENTION_OUT)  # what the selective remat policies keep
 
 
 class GQAttention(nnx.Module):

@@ -30,6 +30,7 @@ from moejax.model.layers import LAYERS_AXIS_METADATA, MLP, Embed, RMSNorm, dtype
 from moejax.model.moe import MoE, MoEStats, combine_micro_stats
 from moejax.model.rope import segment_positions
 from moejax.parallel.mesh import constrain, current_mesh, inside_stage
+from moejax.remat_names import ATTENTION_OUT, EXPERT_EXCHANGE, EXPERT_GEMM
 from moejax.parallel.pipeline import (chunk_slots, circular_pipeline, layer_slots, merge_micro_batches,
                                       micro_batches, slot_is_layer, to_chunks)
 
@@ -43,6 +44,9 @@ ACT_BxLxD = ("batch", "seq", "act_embed")
 _REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    # Selective: keep what is expensive to recompute, by the names the kernels tag (moejax/remat_names.py).
+    "attention": jax.checkpoint_policies.save_only_these_names(ATTENTION_OUT),
+    "moe": jax.checkpoint_policies.save_only_these_names(ATTENTION_OUT, EXPERT_EXCHANGE, EXPERT_GEMM),
 }
 
 

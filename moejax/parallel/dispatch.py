@@ -26,6 +26,7 @@ import math
 from typing import NamedTuple
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
@@ -33,6 +34,7 @@ from moejax.kernels import grouped_gemm
 from moejax.parallel import dropless
 from moejax.parallel.mesh import EXPERT_AXIS, FFN_AXIS, FSDP_AXIS, batch_axes, current_mesh, inside_pipeline_stage
 from moejax.parallel.routing_plan import combine_rows, dispatch_rows, make_plan
+from moejax.remat_names import EXPERT_EXCHANGE
 
 
 class DispatchStats(NamedTuple):
@@ -87,14 +89,14 @@ def _capacity_moe(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF,
         # [dest device, E_local*C, D] -> [source device, E_local*C, D]
         buf_PxRxD = jax.lax.all_to_all(buf_SxD.reshape(ep, n_local * capacity, d_model), EXPERT_AXIS, 0, 0)
         x_ExCxD = buf_PxRxD.reshape(ep, n_local, capacity, d_model).transpose(1, 0, 2, 3)
-        x_ExCxD = x_ExCxD.reshape(n_local, ep * capacity, d_model)
+        x_ExCxD = checkpoint_name(x_ExCxD.reshape(n_local, ep * capacity, d_model), EXPERT_EXCHANGE)
     else:
         x_ExCxD = buf_SxD.reshape(n_experts, capacity, d_model)
     y_ExCxD = grouped_gemm.expert_ffn(x_ExCxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, kernel=gemm, ffn_axis=ffn_axis)
     if ep > 1:
         y_PxRxD = y_ExCxD.reshape(n_local, ep, capacity, d_model).transpose(1, 0, 2, 3)
         y_PxRxD = jax.lax.all_to_all(y_PxRxD.reshape(ep, n_local * capacity, d_model), EXPERT_AXIS, 0, 0)
-        y_SxD = y_PxRxD.reshape(n_experts * capacity, d_model)
+        y_SxD = checkpoint_name(y_PxRxD.reshape(n_experts * capacity, d_model), EXPERT_EXCHANGE)
     else:
         y_SxD = y_ExCxD.reshape(n_experts * capacity, d_model)
     out_TxD = combine_rows(y_SxD, expert_w_TxK, plan.slot_A, plan.src_S)

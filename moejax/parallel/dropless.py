@@ -22,12 +22,14 @@ import math
 from typing import NamedTuple
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
 from moejax.kernels import fp8, grouped_gemm
 from moejax.kernels.varying import int_cotangent as _int_cotangent
 from moejax.parallel.mesh import EXPERT_AXIS, batch_axes, inside_pipeline_stage
 from moejax.parallel.routing_plan import combine_rows, dispatch_rows
+from moejax.remat_names import EXPERT_EXCHANGE
 
 
 def worst_case_rows(tokens_per_device: int, top_k: int, ep: int, n_local: int) -> int:
@@ -315,7 +317,7 @@ def _round(lo, rows_AxD, w_gate, w_up, w_down, ex: Exchange, *, window: int, ep:
     there = Moves(ex.input_offsets_P + a_P, b_P - a_P, ex.out_offsets_P + a_P - lo, d_P - c_P)
     back = Moves(ex.recv_offsets_P + c_P - lo, d_P - c_P, ex.return_offsets_P + c_P, b_P - a_P)
     largest = largest_send(there.send_sizes, how) if ep > 1 else jnp.int32(0)
-    x_WxD = _exchange(rows_AxD, there, back, largest, window, ep, how)
+    x_WxD = checkpoint_name(_exchange(rows_AxD, there, back, largest, window, ep, how), EXPERT_EXCHANGE)
     # Each window row's local expert: source p's rows are sorted by expert, ending at recv_ends_PxL[p].
     g_W = lo + jnp.arange(window, dtype=jnp.int32)
     source_W = jnp.clip(_count_at_most(ex.recv_offsets_P, g_W, how.in_stage) - 1, 0, ep - 1)
@@ -324,7 +326,7 @@ def _round(lo, rows_AxD, w_gate, w_up, w_down, ex: Exchange, *, window: int, ep:
     expert_W = jnp.where(pos_W < ex.recv_sizes_P[source_W], expert_W, n_local)
     y_WxD = window_expert_ffn(x_WxD, expert_W, w_gate, w_up, w_down, gemm=gemm, ffn_axis=ffn_axis,
                               in_stage=how.in_stage)
-    return _exchange(y_WxD, back, there, largest, n_assign, ep, how)
+    return checkpoint_name(_exchange(y_WxD, back, there, largest, n_assign, ep, how), EXPERT_EXCHANGE)
 
 
 def _overflow_round(static, r, *round_args):
