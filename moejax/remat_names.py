@@ -1,4 +1,4 @@
-"""Names of the activations a selective remat policy keeps (model.remat, README "Memory").
+"""Names of the activations a selective remat policy keeps (model.remat, docs/memory.md).
 
 Tagged with `jax.ad_checkpoint.checkpoint_name` where they are computed (attention, the expert dispatch, the
 grouped GEMMs); model/transformer.py's policies save them by name. A leaf module: the kernels, the dispatch and

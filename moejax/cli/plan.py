@@ -14,6 +14,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from moejax.cli.config_flag import UsageError, parse_config
+from moejax.config.schema import REMAT_POLICIES
 from moejax.errors import InputError
 from moejax.units import si_prefix
 
@@ -30,7 +31,7 @@ flags.DEFINE_string("gpus", None, "GPU count(s) for --topology, e.g. 256 or 256,
 flags.DEFINE_float("efficiency", 0.5, "fraction of the bf16 dense peak the model's GEMMs reach", flag_values=FLAGS)
 flags.DEFINE_integer("domain_size", 0, "GPUs used per NVLink domain (0: whole domains, or the largest multiple of a "
                      "tray that divides the job, e.g. 64 of an NVL72 rack at 256 GPUs)", flag_values=FLAGS)
-flags.DEFINE_string("remat", "none,dots,full", "remat policies to consider", flag_values=FLAGS)
+flags.DEFINE_string("remat", ",".join(REMAT_POLICIES), "remat policies to consider", flag_values=FLAGS)
 flags.DEFINE_string("dispatch", None, "dispatch modes to consider (default: the config's)", flag_values=FLAGS)
 flags.DEFINE_integer("top", 5, "layouts to show per GPU count", flag_values=FLAGS)
 flags.DEFINE_multi_string("layout", [], "a layout to rank among the searched ones and explain, e.g. NVIDIA's "

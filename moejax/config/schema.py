@@ -22,11 +22,11 @@ DROP_POLICIES = ("position", "probability")
 ATTENTION_KERNELS = ("auto", "xla", "cudnn", "tokamax_mosaic", "tokamax_triton")
 EXPERT_GEMM_KERNELS = ("auto", "einsum", "tile_loop", "ragged_dot", "tokamax")
 LOSS_KERNELS = ("auto", "dense", "chunked")
-# Remat policies (README "Memory"): none keeps everything; full keeps each block's input only; dots keeps the
+# Remat policies (docs/memory.md): none keeps everything; full keeps each block's input only; dots keeps the
 # unbatched matmul outputs; attention keeps core attention's output; moe keeps that, the expert all-to-all results
 # and the routed GEMM outputs (recomputing norms, projections, router and shared expert).
 REMAT_POLICIES = ("none", "full", "dots", "attention", "moe")
-# Where the Adam moments live (README "Memory"): like the parameters, or also split over `data` (a distributed
+# Where the Adam moments live (docs/memory.md): like the parameters, or also split over `data` (a distributed
 # optimizer: ZeRO-1, Megatron-Core's distributed optimizer).
 OPTIMIZER_STATE_SHARDINGS = ("params", "data")
 ATTENTION_KINDS = ("gqa", "mla")  # gqa covers MHA (n_kv_heads == n_heads); mla is DeepSeek's latent attention

@@ -102,14 +102,15 @@ def estimate_memory(cfg, layout: Layout, seq_len: int | None = None, platform: s
     params, model_state, opt = state_leaves(layout_config(cfg, layout))
     param_bytes = sum(leaf.local_bytes(sizes) for leaf in params) + sum(leaf.local_bytes(sizes) for leaf in model_state)
     over = optimizer_state_axes(cfg)
+    accumulating = layout.stage == 1 and layout.n_micro(int(cfg.train.global_batch)) > 1
     # A distributed optimizer's moments are split over data too, and so is the gradient of a weight GSPMD
     # partitions: it reduces each layer's gradient over data inside the loop to the slice the moments need
     # (reduce-scatter on XLA:GPU). The routed experts' gradient is summed over data explicitly inside the dispatch
-    # shard_map (parallel/dispatch._weights_bwd): XLA:GPU keeps it whole over data (XLA:CPU slices it after the
-    # sum). Both read in compiled steps at data 8 (benchmarks/RESULTS.md "Memory").
-    grads = sum((leaf if leaf.expert and platform != "cpu" else leaf.split_further(sizes, over)).local_bytes(sizes)
+    # shard_map (parallel/dispatch._weights_bwd): XLA:GPU keeps it whole over data, XLA:CPU slices it after the sum
+    # (compiled steps at data 2 and 8, benchmarks/RESULTS.md "Memory"; with accumulation XLA:GPU varies: ibid.).
+    whole_over_data = platform != "cpu"
+    grads = sum((leaf if leaf.expert and whole_over_data else leaf.split_further(sizes, over)).local_bytes(sizes)
                 for leaf in params)
-    accumulating = layout.stage == 1 and layout.n_micro(int(cfg.train.global_batch)) > 1
     compute_itemsize = jnp.dtype(cfg.model.dtype).itemsize
     act = activation_terms(cfg, layout.micro_batch, seq, layout.remat, tensor=layout.tensor, expert=layout.expert,
                            dispatch=layout.dispatch, platform=platform)
