@@ -66,8 +66,11 @@ def in_layer_order(cfg, path, value):
     (4, 1, 4, 8, {"expert": 2}, "dropless-overflow"),
     # 3 micro-batches on 2 stages: the MTP passes split 2 + 1 over the stages (a padded pass on stage 1); 12 rows
     (2, 1, 3, 8, {"expert": 2, "tensor": 2}, "capacity"),
+    # 4 micro-batches in passes of 2 (mesh.pipeline_in_flight): the gradient accumulated over the two passes
+    (2, 2, 4, 8, {"expert": 2, "tensor": 2, "pipeline_in_flight": 2}, "capacity"),
 ], ids=["pp2-data2xexpert2", "pp2xvp2-expert2xtensor2", "pp4-allgather", "pp4xvp2", "pp2xvp3-7-layers",
-        "pp4-6-layers", "pp2xvp2-dropless", "pp4-dropless-overflow", "pp2-3-micro-batches"])
+        "pp4-6-layers", "pp2xvp2-dropless", "pp4-dropless-overflow", "pp2-3-micro-batches",
+        "pp2xvp2-2-in-flight"])
 def test_pipelined_step_equals_one_device(devices, stages, virtual, micro, n_moe, axes, dispatch):
     rows = 12 if micro == 3 else 8
     tokens = np.random.default_rng(100 * stages + 10 * virtual + micro + n_moe).integers(0, 259, size=(rows, 17),
@@ -111,7 +114,9 @@ def test_pipelined_step_equals_one_device(devices, stages, virtual, micro, n_moe
     ({"mesh.stage": -1, "mesh.data": 1}, "set the pipeline stage count explicitly"),
     # 12 rows split into 6 micro-batches on expert 2, but not over stage 4 x expert 2 outside the stages
     ({"mesh.stage": 4, "train.micro_batches": 6, "train.global_batch": 12},
-     "not divisible by stage\\*data\\*fsdp\\*expert=8"),
+     "not divisible by stage\\*data\\*fsdp\\*expert x passes .*=8"),
+    ({"mesh.stage": 2, "train.micro_batches": 4, "mesh.pipeline_in_flight": 3},
+     "mesh.pipeline_in_flight=3 must be 0 \\(all\\) or at least mesh.stage=2 and divide train.micro_batches=4"),
 ])
 def test_pipeline_config_errors(change, message):
     cfg = pipeline_config("capacity", 4)

@@ -86,3 +86,17 @@ def check_pipeline_layers(m, stages: int):
             f"mesh.stage={stages}: {FIELD}={m.get('interleaved_dense_layers', '')!r} puts dense layers between or "
             "after the MoE layers, but pipeline stages run the MoE layers only, with every dense layer before them; "
             "use mesh.stage=1 for this model")
+
+
+def pipeline_in_flight(cfg) -> int:
+    """Micro-batches one pipeline pass carries: mesh.pipeline_in_flight, or all train.micro_batches when 0."""
+    k = int(cfg.mesh.get("pipeline_in_flight", 0))
+    return k if k > 0 else int(cfg.train.micro_batches)
+
+
+def pipeline_passes(cfg) -> int:
+    """Passes of a step with pipeline stages: train.micro_batches / pipeline_in_flight (the gradient accumulates
+    over them); 1 without stages (accumulation then runs over train.micro_batches single-pass micro-batches)."""
+    if int(cfg.mesh.get("stage", 1)) <= 1:
+        return 1
+    return max(1, int(cfg.train.micro_batches) // pipeline_in_flight(cfg))

@@ -114,6 +114,7 @@ RANGES: dict[str, Rule] = {
     "kernels.loss_chunk": integer(1, note="sequence positions per chunk"),
     **{f"mesh.{axis}": MESH_AXIS for axis in MESH_AXES},
     "mesh.virtual_stages": COUNT,
+    "mesh.pipeline_in_flight": integer(0, note="0: all micro-batches in one pass"),
     "mesh.domain_size": integer(0, note="0: from the devices"),
     "train.steps": COUNT,
     "train.global_batch": COUNT,

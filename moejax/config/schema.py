@@ -125,6 +125,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.mesh = ms = ml_collections.ConfigDict()
     ms.stage = 1  # pipeline stages (moejax/parallel/pipeline.py): the MoE layers split over them, across NVLink domains
     ms.virtual_stages = 1  # chunks of MoE layers per stage (circular / interleaved schedule); bubble (S-1)/(M x V)
+    # micro-batches one pipeline pass carries (0: all train.micro_batches, GPipe). k >= stages, dividing
+    # train.micro_batches: passes of k micro-batches with the gradient accumulated over M / k of them, so the
+    # activations of k micro-batches are live instead of M; bubble (S-1)/(k x V) per pass (docs/pipeline.md)
+    ms.pipeline_in_flight = 0
     ms.data = -1  # -1: whatever the other axes leave
     ms.fsdp = 1
     ms.expert = 1

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from moejax.config.layers import check_pipeline_layers, layer_plan
+from moejax.config.layers import check_pipeline_layers, layer_plan, pipeline_in_flight
 from moejax.config.ranges import check_choice, check_ranges
 from moejax.config.schema import (ATTENTION_KERNELS, ATTENTION_KINDS, DISPATCH_MODES, DROP_POLICIES, DTYPES,
                                   EXPERT_GEMM_KERNELS, FP8_FORMATS, LOSS_KERNELS, MESH_AXES, OPTIMIZER_STATE_SHARDINGS,
@@ -151,9 +151,14 @@ def _validate_pipeline(cfg, sizes: dict[str, int], n_moe_layers: int):
     if micro < stages:
         raise ConfigError(f"train.micro_batches={micro} is fewer than mesh.stage={stages}: every stage needs a "
                           f"micro-batch in flight; set train.micro_batches >= {stages} (bubble (S-1)/(M x V))")
-    rows_split = stages * sizes["data"] * sizes["fsdp"] * sizes["expert"]
+    in_flight = pipeline_in_flight(cfg)
+    if in_flight < stages or micro % in_flight:
+        raise ConfigError(f"mesh.pipeline_in_flight={cfg.mesh.pipeline_in_flight} must be 0 (all) or at least "
+                          f"mesh.stage={stages} and divide train.micro_batches={micro}")
+    rows_split = stages * sizes["data"] * sizes["fsdp"] * sizes["expert"] * (micro // in_flight)
     if int(cfg.train.global_batch) % rows_split:
         raise ConfigError(
-            f"train.global_batch={cfg.train.global_batch} is not divisible by stage*data*fsdp*expert={rows_split}: "
-            f"outside the pipeline stages (embedding, dense layers, head, loss) the rows are split over the stages "
-            f"too; use a global batch that is a multiple of {rows_split}")
+            f"train.global_batch={cfg.train.global_batch} is not divisible by stage*data*fsdp*expert x passes "
+            f"(train.micro_batches / mesh.pipeline_in_flight)={rows_split}: outside the pipeline stages (embedding, "
+            f"dense layers, head, loss) the rows of each pass are split over the stages too; use a global batch that "
+            f"is a multiple of {rows_split}")

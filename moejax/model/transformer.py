@@ -22,7 +22,7 @@ from jax.ad_checkpoint import checkpoint_name
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from moejax.config.layers import check_pipeline_layers, layer_plan
+from moejax.config.layers import check_pipeline_layers, layer_plan, pipeline_in_flight
 from moejax.kernels import fp8
 from moejax.kernels.resolve import model_kernels
 from moejax.model.attention import make_attention
@@ -266,7 +266,7 @@ class Transformer(nnx.Module):
         self.stages, self.virtual_stages = int(cfg.mesh.get("stage", 1)), int(cfg.mesh.get("virtual_stages", 1))
         check_pipeline_layers(m, self.stages)
         self.pipelined = self.stages > 1 and self.n_moe > 0
-        self.micro_batches = int(cfg.train.micro_batches)
+        self.micro_batches = pipeline_in_flight(cfg)  # per pass (program/step.py accumulates over the passes)
         self.embed = Embed(m.vocab_size, m.d_model, rngs=rngs, std=m.init_std, param_dtype=pdt)
         self.dense_layers = _stacked_blocks(cfg, self.n_dense, moe=False, rngs=rngs) if self.n_dense else None
         self.moe_layers = (_stacked_blocks(cfg, self.n_moe, moe=True, rngs=rngs, in_pipeline=self.pipelined)

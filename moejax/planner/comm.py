@@ -92,12 +92,14 @@ def step_traffic(cfg, layout: Layout, seq_len: int | None = None) -> list[Traffi
     act = jnp.dtype(m.dtype).itemsize
     act_t, param_t = hlo_type(m.dtype), hlo_type(m.param_dtype)
     n_micro = layout.n_micro(int(cfg.train.global_batch))
+    # Pipeline passes: k micro-batches each (mesh.pipeline_in_flight), the gradient accumulated over them.
+    per_pass, n_passes = layout.per_pass(int(cfg.train.global_batch)), layout.passes(int(cfg.train.global_batch))
     tokens = layout.micro_batch * seq  # per device per pass
     recompute = layout.remat != "none"
     n_decoder_moe = layer_plan(m).n_moe
     n_moe = n_decoder_moe + int(m.get("mtp_depth", 0))
     piped = layout.stage > 1
-    ticks = schedule_ticks(layout.stage, n_micro, layout.virtual) if piped else 0
+    ticks = n_passes * schedule_ticks(layout.stage, per_pass, layout.virtual) if piped else 0
     per_chunk = chunk_slots(n_decoder_moe, layout.stage, layout.virtual) if piped else 0  # identity slots included
     # MoE layer executions per device per step: a stage runs one chunk per tick (idle ticks compute too).
     moe_runs = round(per_chunk * ticks + (n_moe - n_decoder_moe) * n_micro) if piped else n_moe * n_micro
@@ -115,19 +117,19 @@ def step_traffic(cfg, layout: Layout, seq_len: int | None = None) -> list[Traffi
         # summed over the stages (an all-reduce).
         slice_bytes = tokens * int(m.d_model) * act
         out.append(Traffic("collective-permute", ("stage",), slice_bytes, 3 * ticks, "pipeline hand-off", act_t))
-        out.append(Traffic("collective-permute", ("stage",), slice_bytes * n_micro, 2,
+        out.append(Traffic("collective-permute", ("stage",), slice_bytes * per_pass, 2 * n_passes,
                            "last stage's outputs out and their cotangents back", act_t))
-        out.append(Traffic("all-reduce", ("stage",), slice_bytes * n_micro, 2,
+        out.append(Traffic("all-reduce", ("stage",), slice_bytes * per_pass, 2 * n_passes,
                            "last stage's outputs to every stage, stage 0's input cotangents", act_t))
         # Outside the stages the rows are split over `stage` as well (parallel/mesh.batch_axes): they are gathered
         # where the pipeline starts, and the cotangents of the stages' outputs (the hidden state, each MTP module's)
         # where the backward enters it.
-        out.append(Traffic("all-gather", ("stage",), slice_bytes * n_micro, 1, "rows gathered over stage into the "
+        out.append(Traffic("all-gather", ("stage",), slice_bytes * per_pass, n_passes, "rows gathered over stage into the "
                            "pipeline", act_t))
         # XLA splits the backward's gathers in two steps with more than two stages (1.5 x the bytes, measured at
         # S = 4 on compiled CPU steps).
-        out.append(Traffic("all-gather", ("stage",), slice_bytes * n_micro * (3 if layout.stage > 2 else 2) // 2,
-                           1 + int(m.get("mtp_depth", 0)), "cotangents gathered over stage into the pipeline", act_t))
+        out.append(Traffic("all-gather", ("stage",), slice_bytes * per_pass * (3 if layout.stage > 2 else 2) // 2,
+                           (1 + int(m.get("mtp_depth", 0))) * n_passes, "cotangents gathered over stage into the pipeline", act_t))
 
     # Expert dispatch.
     ep, k, n_exp, d = layout.expert, int(e.top_k), int(e.n_routed_experts), int(m.d_model)
@@ -157,7 +159,7 @@ def step_traffic(cfg, layout: Layout, seq_len: int | None = None) -> list[Traffi
         shard = leaf.local_bytes(sizes)
         # A pipelined leaf is gathered, and its gradient summed, a chunk (1 / V of the stage's layers) per tick; any
         # other leaf once per pass (with stages: one pass over the whole local batch).
-        passes, piece = (ticks, layout.virtual) if leaf.pipelined else (1 if piped else n_micro, 1)
+        passes, piece = (ticks, layout.virtual) if leaf.pipelined else (n_passes if piped else n_micro, 1)
         grad_sums = passes
         if f > 1:
             gathers = (2 if leaf.stacked else 1) * passes

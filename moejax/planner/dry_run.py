@@ -88,6 +88,7 @@ def dry_run(cfg, n_devices: int, target: str | None = None, *, keep_hlo: bool = 
     # One accumulation pass's rows per device: what the step compiled above holds at a time.
     batch_shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
     layout = Layout(**sizes, remat=cfg.model.remat, dispatch=cfg.moe.dispatch, virtual=int(cfg.mesh.virtual_stages),
+                    in_flight=int(cfg.mesh.get("pipeline_in_flight", 0)),
                     micro_batch=cfg.train.global_batch // (batch_shards * int(cfg.train.micro_batches)))
     predicted_mem = estimate_memory(cfg, layout, platform=platform)
     traffic = step_traffic(cfg, layout)

@@ -21,6 +21,7 @@ class Layout:
     dispatch: str  # capacity | allgather | dropless
     stage: int = 1  # pipeline stages (mesh.stage): the MoE layers split over them
     virtual: int = 1  # virtual stages per stage (mesh.virtual_stages)
+    in_flight: int = 0  # micro-batches per pipeline pass (mesh.pipeline_in_flight; 0: all of them)
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -39,10 +40,22 @@ class Layout:
         """Forward/backward passes per step: micro-batches of gradient accumulation, or of the pipeline."""
         return max(1, global_batch // self.batch_shards // self.micro_batch)
 
+    def per_pass(self, global_batch: int) -> int:
+        """Micro-batches one pass carries: with pipeline stages, mesh.pipeline_in_flight (0: all); else 1."""
+        if self.stage <= 1:
+            return 1
+        return self.in_flight or self.n_micro(global_batch)
+
+    def passes(self, global_batch: int) -> int:
+        """Forward/backward passes per step (the gradient accumulates over them)."""
+        return self.n_micro(global_batch) // self.per_pass(global_batch)
+
     def name(self) -> str:
         axes = " x ".join(f"{a}{s}" for a, s in self.sizes.items() if s > 1) or "1 device"
         if self.virtual > 1:
             axes += f" (vp{self.virtual})"
+        if self.in_flight:
+            axes += f" ({self.in_flight} in flight)"
         return f"{axes} | remat {self.remat} | mb {self.micro_batch} | {self.dispatch}"
 
     def to_dict(self) -> dict:

@@ -102,7 +102,7 @@ def estimate_memory(cfg, layout: Layout, seq_len: int | None = None, platform: s
     params, model_state, opt = state_leaves(layout_config(cfg, layout))
     param_bytes = sum(leaf.local_bytes(sizes) for leaf in params) + sum(leaf.local_bytes(sizes) for leaf in model_state)
     over = optimizer_state_axes(cfg)
-    accumulating = layout.stage == 1 and layout.n_micro(int(cfg.train.global_batch)) > 1
+    accumulating = layout.passes(int(cfg.train.global_batch)) > 1
     # A distributed optimizer's moments are split over data too, and so is the gradient of a weight GSPMD
     # partitions: it reduces each layer's gradient over data inside the loop to the slice the moments need
     # (reduce-scatter on XLA:GPU). The routed experts' gradient is summed over data explicitly inside the dispatch
@@ -116,7 +116,7 @@ def estimate_memory(cfg, layout: Layout, seq_len: int | None = None, platform: s
                            dispatch=layout.dispatch, platform=platform)
     saved, logits = act.saved, act.logits
     if layout.stage > 1:
-        n_micro = layout.n_micro(int(cfg.train.global_batch))
+        n_micro = layout.per_pass(int(cfg.train.global_batch))  # one pass's micro-batches are in flight
         n_pipelined = layer_plan(cfg.model).n_moe
         outside = max(0, act.saved - n_pipelined * act.moe_layer)  # embedding, dense layers, MTP, loss
         per_chunk = chunk_slots(n_pipelined, layout.stage, layout.virtual)  # an uneven split's identity slots too

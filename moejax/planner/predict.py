@@ -125,11 +125,11 @@ def stage_terms(cfg, layout: Layout, seq: int) -> tuple[float, float]:
     over the stages like the batch."""
     if layout.stage <= 1:
         return 0.0, 1.0
-    bubble = bubble_fraction(layout.stage, layout.n_micro(int(cfg.train.global_batch)), layout.virtual)
+    bubble = bubble_fraction(layout.stage, layout.per_pass(int(cfg.train.global_batch)), layout.virtual)
     piped, mtp = pipelined_macs_fraction(cfg, seq), mtp_blocks_macs_fraction(cfg, seq)
     n_moe = layer_plan(cfg.model).n_moe
     padded = chunk_slots(n_moe, layout.stage, layout.virtual) * layout.stage * layout.virtual / n_moe  # identity slots
-    n_micro = layout.n_micro(int(cfg.train.global_batch))
+    n_micro = layout.per_pass(int(cfg.train.global_batch))
     mtp_share = -(-n_micro // layout.stage) * layout.stage / n_micro  # padded rounds of MTP passes
     return bubble, piped * padded * (1 + bubble) + mtp * mtp_share + (1 - piped - mtp)
 
@@ -192,11 +192,18 @@ def enumerate_layouts(cfg, n_gpus: int, domain_size: int, *, remats=REMAT_POLICI
                             validate(trial, n_gpus)
                         except ConfigError:
                             continue
+                        # Pipelines: all micro-batches in one pass, or passes of S, 2S, 4S (mesh.pipeline_in_flight)
+                        n_micro = per_device // mb
+                        in_flights = [0] + [k for k in (n_stages, 2 * n_stages, 4 * n_stages)
+                                            if n_stages > 1 and k < n_micro and n_micro % k == 0
+                                            and cfg.train.global_batch % (
+                                                n_stages * data * fsdp * expert * (n_micro // k)) == 0]
                         for remat in remats:
                             for dispatch in dispatches:
                                 if n_stages > 1 and dispatch == "dropless":
                                     continue  # not inside pipeline stages yet (config.validate refuses it)
-                                out.append(Layout(data, fsdp, expert, tensor, remat, mb, dispatch, n_stages, virtual))
+                                out += [Layout(data, fsdp, expert, tensor, remat, mb, dispatch, n_stages, virtual, k)
+                                        for k in in_flights]
     return out
 
 

@@ -54,6 +54,7 @@ def _candidate(cfg, topo: Topology, layout: Layout, ranked, efficiency: float, d
         for axis, size in layout.sizes.items():
             trial.mesh[axis] = size
         trial.mesh.virtual_stages = layout.virtual
+        trial.mesh.pipeline_in_flight = layout.in_flight
         trial.moe.dispatch = layout.dispatch
         trial.train.micro_batches = layout.n_micro(int(cfg.train.global_batch))
     try:
@@ -68,10 +69,11 @@ def parse_layout(text: str) -> Layout:
     """'stage=2,virtual=8,expert=32,data=4,remat=full,mb=1,dispatch=capacity' -> Layout (unnamed axes 1, remat
     full, mb 1, dispatch capacity); InputError on a bad field."""
     fields = {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1, "stage": 1, "virtual": 1, "remat": "full",
-              "micro_batch": 1, "dispatch": "capacity"}
+              "micro_batch": 1, "dispatch": "capacity", "in_flight": 0}
     for part in (p.strip() for p in text.split(",") if p.strip()):
         key, _, value = part.partition("=")
-        key = {"mb": "micro_batch", "vp": "virtual", "pp": "stage", "ep": "expert", "tp": "tensor"}.get(key, key)
+        key = {"mb": "micro_batch", "vp": "virtual", "pp": "stage", "ep": "expert", "tp": "tensor",
+               "inflight": "in_flight"}.get(key, key)
         if key not in fields or not value:
             raise InputError(f"--layout {text!r}: {part!r} is not one of {', '.join(fields)}=value")
         try:

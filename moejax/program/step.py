@@ -10,6 +10,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from moejax.config.layers import pipeline_passes
 from moejax.model.loss import lm_loss, target_mask
 from moejax.model.moe import combine_micro_stats, exact_dispatch
 from moejax.parallel.mesh import batch_sharding
@@ -151,8 +152,10 @@ def jit_train_step(cfg, graphdef, tx, mesh: Mesh, shardings):
                            bias_rate=float(cfg.moe.bias_update_rate), mtp_weight=float(cfg.model.mtp_loss_weight),
                            mtp_depth=int(cfg.model.mtp_depth),
                            nan_steps=parse_steps(cfg.guards.inject_nan_steps),
-                           # pipeline stages: the model runs the micro-batches through its stages in one pass
-                           micro_batches=1 if int(cfg.mesh.get("stage", 1)) > 1 else int(cfg.train.micro_batches),
+                           # pipeline stages: the model runs mesh.pipeline_in_flight micro-batches through its stages
+                           # per pass (all of them in one pass by default), the step accumulates over the passes
+                           micro_batches=(pipeline_passes(cfg) if int(cfg.mesh.get("stage", 1)) > 1
+                                          else int(cfg.train.micro_batches)),
                            moment_shardings=shardings.opt_state[1].mu)
     return jax.jit(fn, in_shardings=(shardings, batch_sharding(mesh)),
                    out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=0)
