@@ -74,6 +74,26 @@ def test_saved_activations_follow_the_ticks_and_the_logits_the_stages_share_of_t
     assert more_virtual.activations < fewer.activations  # ticks x chunk: (M V + S - 1) L / (S V) shrinks with V
 
 
+def test_passes_in_flight_bound_the_activations_and_pay_a_bubble_per_pass():
+    """mesh.pipeline_in_flight = k: one pass's k micro-batches are in flight (activations and logits as for M = k),
+    the gradient accumulates over M / k passes, and each pass pays the bubble (S - 1) / (k V)."""
+    cfg = staged_config()  # expert 2, mb 1: M = 16
+    gpipe = Layout(1, 1, 2, 1, "dots", 1, "capacity", 2, 1)
+    two = Layout(1, 1, 2, 1, "dots", 1, "capacity", 2, 1, in_flight=2)
+    assert (two.per_pass(32), two.passes(32), gpipe.passes(32)) == (2, 8, 1)
+    all_m, k2 = estimate_memory(cfg, gpipe), estimate_memory(cfg, two)
+    cfg2 = staged_config()
+    cfg2.train.global_batch = 4  # M = 2 in one pass: what a pass of two in flight holds
+    one_pass = estimate_memory(cfg2, Layout(1, 1, 2, 1, "dots", 1, "capacity", 2, 1))
+    assert k2.activations == one_pass.activations < all_m.activations
+    assert (k2.grad_accumulator, all_m.grad_accumulator) == (k2.grads, 0)
+    assert stage_terms(cfg, two, 16)[0] == pytest.approx(1 / 2)
+    assert stage_terms(cfg, gpipe, 16)[0] == pytest.approx(1 / 16)
+    # the hand-offs move the same bytes in 8 passes of 2 as in one of 16; the ticks are 8 x (2 + 1) instead of 17
+    ticks = {t.what: t.count for t in step_traffic(cfg, two)}
+    assert ticks["pipeline hand-off"] == 3 * 8 * schedule_ticks(2, 2, 1)
+
+
 def test_bubble_and_the_compute_every_stage_repeats_or_splits():
     cfg = staged_config()
     assert stage_terms(cfg, Layout(1, 1, 2, 1, "full", 1, "capacity"), 16) == (0.0, 1.0)
