@@ -249,20 +249,24 @@ def assumptions(topo: Topology, efficiency: float, domain_size: int, cfg=None, *
         "dispatch bytes: capacity = E x C x D per exchange; dropless = the device's T x K routed rows (GPU ragged "
         "path; buffers of the receive window, moe.dropless_window x T x K rows); 4 exchanges per MoE layer per "
         "pass, 6 with recompute",
-        "memory: the train state at its sharded size (params and AdamW moments in model.param_dtype) plus the "
-        "larger of two phases: the backward (one gradient tree, the residuals the remat policy saves for one "
-        "micro-batch, the largest layer's gathered weights and unreduced gradients, and the larger transient: one "
-        "remat'd block's rematerialised internals (unfused [B, H, L, L] attention scores, MoE dispatch buffers "
-        "at the layout's expert parallelism) or the loss's f32 logits and log-softmax per head) and the update "
-        "(gradients and their clipped copy); no allocator fragmentation or NCCL buffers",
+        "memory: the train state at its sharded size (params and AdamW moments in model.param_dtype; the moments "
+        "also split over data with optim.state_sharding=data) plus the larger of two phases: the backward (the "
+        "residuals the remat policy saves for one micro-batch, the accumulated gradient when accumulating, and the "
+        "larger of the loss's f32 logits per head and the layers' backward: the sharded gradient tree, the largest "
+        "layer's gathered weights and unreduced gradients and one remat'd block's rematerialised internals "
+        "(unfused [B, H, L, L] attention scores, MoE dispatch buffers at the layout's expert parallelism)) and the "
+        "update (the gradient: the fused update writes in place); no allocator fragmentation or NCCL buffers",
         "micro-batch below the per-device batch means gradient accumulation: run it with "
         "train.micro_batches = per-device batch / micro-batch (each pass re-gathers fsdp weights)",
         "pipeline stages (stage > 1, circular schedule as moejax runs it): MoE-layer compute x S V C / L (an uneven "
-        "split's identity slots, C = ceil(L / (S V))) x (1 + bubble), bubble (S - 1) / (M V); embedding, dense "
+        "split's identity slots, C = ceil(L / (S V))) x (1 + bubble), bubble (S - 1) / (k V) for passes of k "
+        "micro-batches (mesh.pipeline_in_flight; k = M by default), the gradient accumulated over M / k passes; "
+        "embedding, dense "
         "layers, heads and loss split over the stages with the batch (the rows gathered over `stage` where the "
         "pipeline starts), MTP passes split over the stages by micro-batch; one micro-batch's "
         "activations per tick to the next stage and back (on the NICs when stages take whole NVLink domains), waited "
-        "on; every tick's residuals kept until the backward (all M micro-batches: GPipe memory, not 1F1B's)",
+        "on; every tick's residuals kept until the backward of its pass (a pass's k micro-batches: GPipe memory "
+        "per pass, not 1F1B's)",
         "not modelled: 1F1B / zero-bubble schedules (moejax runs the circular one), "
         + ("FP8 GEMMs (model.fp8=none), " if cfg is None or cfg.model.get("fp8", "none") == "none" else
            "FP8 quantisation passes (amax, scale, cast: elementwise, memory-bound), ")
