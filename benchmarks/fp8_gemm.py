@@ -4,7 +4,7 @@ FP8 recipe buys or costs per GEMM before anything else in the step. Prints a tab
     python benchmarks/fp8_gemm.py [--m 8192] [--k 7168] [--n 2048] [--formats none,blockwise,rowwise] [--steps 20]
 
 Formats:
-  none       bf16 operands, f32 accumulation (jnp.dot).
+  none       bf16 operands, f32 accumulation inside the GEMM, bf16 out (jnp.dot); the backward GEMMs in bf16.
   blockwise  moejax's model.fp8='blockwise' GEMM (kernels/fp8.py: DeepSeek-V3's 1 x 128 / 128 x 128 tiles via qwix):
              qwix contracts each 128-wide K tile as its own f8 GEMM and sums the scaled f32 partials, so every
              K tile writes an M x N f32 partial: on a GPU without a fused-promotion kernel this is memory-bound.
@@ -35,27 +35,38 @@ from moejax.parallel.hlo_kernels import gemm_custom_calls, kernel_inventory
 
 
 def matmul_for(fmt: str):
+    """The GEMM of `fmt`. The bf16 baseline is a plain bf16 dot (f32 accumulation inside the GEMM, bf16 out), as
+    the model's projections run: asking for an f32 result (preferred_element_type) would make autodiff's
+    cotangent f32, and the two backward GEMMs would run f32 x bf16, i.e. in f32 (the 2026-12-04 H200 baseline's
+    error: 345 TFLOP/s against 680 for benchmarks/kernels.py's bf16 GEMM)."""
     if fmt == "none":
-        return lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+        return lambda x, w: jnp.dot(x, w)
     return lambda x, w: fp8.fp8_matmul(x[None], w[None], fmt)[0]
 
 
-def measure(fmt: str, x, w, steps: int) -> dict:
+def fwd_bwd_for(fmt: str):
+    """jit of (x, w, cotangent) -> (y, dx, dw). The cotangent is an input (random, like a real gradient): a
+    constant one would let XLA simplify the backward GEMMs into reductions."""
     mm = matmul_for(fmt)
 
     @jax.jit
-    def fwd_bwd(x, w):
+    def fwd_bwd(x, w, ct):
         y, vjp = jax.vjp(mm, x, w)
-        dx, dw = vjp(jnp.ones_like(y))
+        dx, dw = vjp(ct.astype(y.dtype))
         return y, dx, dw
 
-    compiled = fwd_bwd.lower(x, w).compile()
+    return fwd_bwd
+
+
+def measure(fmt: str, x, w, steps: int) -> dict:
+    ct = jax.random.normal(jax.random.key(2), (x.shape[0], w.shape[1]), x.dtype)
+    compiled = fwd_bwd_for(fmt).lower(x, w, ct).compile()
     for _ in range(3):
-        out = compiled(x, w)
+        out = compiled(x, w, ct)
     jax.block_until_ready(out)
     t0 = time.perf_counter()
     for _ in range(steps):
-        out = compiled(x, w)
+        out = compiled(x, w, ct)
     jax.block_until_ready(out)
     step_s = (time.perf_counter() - t0) / steps
     ref = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32))

@@ -2,6 +2,8 @@
 definitions, every GEMM's error inside the bound its scaling implies, the model on a mesh equal to one device, and
 the platform / combination errors."""
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -11,6 +13,8 @@ import pytest
 from moejax.config import ConfigError, default_config, validate
 from moejax.kernels import fp8
 from moejax.kernels.resolve import resolve_kernels
+
+ROOT = Path(__file__).resolve().parents[1]
 
 E4M3_UNIT_ROUNDOFF = 2.0 ** -4  # 3 mantissa bits: a normal value rounds within half an ulp, 2^-4 relative
 E4M3_SUBNORMAL_HALF_SPACING = 2.0 ** -10  # subnormals are spaced 2^-9 (in units of the scale)
@@ -320,3 +324,18 @@ def test_deepseek_fp8_checkpoint_export_and_import(tmp_path):
     table = np.asarray(model.embed.table_VxD[...], np.float32)
     np.testing.assert_array_equal(np.asarray(imported.embed.table_VxD[...]),
                                   table.astype(ml_dtypes.bfloat16).astype(np.float32))
+
+
+def test_gemm_benchmark_baseline_runs_its_backward_in_bf16():
+    """benchmarks/fp8_gemm.py's bf16 row is the baseline every FP8 ratio is quoted against: its forward and both
+    backward GEMMs take bf16 operands (an f32 cotangent would make them f32 GEMMs, half the speed or less)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fp8_gemm", ROOT / "benchmarks" / "fp8_gemm.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    x, w = jnp.ones((16, 32), jnp.bfloat16), jnp.ones((32, 8), jnp.bfloat16)
+    jaxpr = jax.make_jaxpr(bench.fwd_bwd_for("none"))(x, w, jnp.ones((16, 8), jnp.bfloat16))
+    dots = [e for e in jaxpr.jaxpr.eqns[0].params["jaxpr"].eqns if e.primitive.name == "dot_general"]
+    assert len(dots) == 3
+    assert all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars), [str(e) for e in dots]
