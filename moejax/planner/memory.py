@@ -25,8 +25,10 @@ C = ceil(L / (S V)) layers' residuals for each of the
 M V + S - 1 ticks (all M micro-batches in flight at the end of the forward: GPipe's memory, not 1F1B's); the
 embedding, dense layers, MTP and loss run in one pass, on the stage's 1/S of the local rows (parallel/mesh.py's
 batch_axes; MTP's residuals are counted there too, though it runs on every stage's rows). `stage_copies`: the
-vmap over stages runs each stage's layer scan over [S, C, ...] weights, which XLA transposes to [C, S, ...]: a
-copy of the stage's MoE stack, and one of its gradient, in the backward (measured on compiled CPU steps).
+vmap over stages runs each stage's layer scan over [S, C, ...] weights, which XLA:CPU transposes to [C, S, ...]: a
+copy of the stage's MoE stack, and one of its gradient, in the backward (measured on compiled CPU steps; the local
+stage dim is 1, so the transpose moves no data, and XLA:GPU makes no such copies: 0 there, measured on deviceless
+H200 compiles of PP2, PP2 x VP2 and PP4, benchmarks/RESULTS.md "Memory").
 """
 
 from __future__ import annotations
@@ -133,5 +135,6 @@ def estimate_memory(cfg, layout: Layout, seq_len: int | None = None, platform: s
         layer_transient=act.layer,
         logits=logits,
         layer_live=_largest_layer_bytes(params, sizes, compute_itemsize),
-        stage_copies=2 * sum(leaf.local_bytes(sizes) for leaf in params if leaf.pipelined),
+        stage_copies=(2 * sum(leaf.local_bytes(sizes) for leaf in params if leaf.pipelined) if platform == "cpu"
+                      else 0),
     )
