@@ -205,8 +205,9 @@ def test_no_dense_expansion_of_the_grouped_gemm(h200):
     e_local, d_model = cfg.moe.n_routed_experts // ep, cfg.model.d_model
     shapes = array_shapes(h200["hlo"])
     # XLA's ragged-dot rewriter makes [rows, E_local * D] / [rows, E_local * F] operands (a masked copy of the
-    # rows per expert); none exists.
-    expanded = [s for s in shapes if s[0] in ("bf16", "f32") and len(s[1]) == 2
+    # rows per expert, at least a device's tokens long); none exists. (Shorter ones are parameter slices: the
+    # distributed optimizer's [D, ...] moments split over data.)
+    expanded = [s for s in shapes if s[0] in ("bf16", "f32") and len(s[1]) == 2 and s[1][0] >= BATCH // 8 * SEQ
                 and s[1][1] in (e_local * d_model, e_local * D_FF_EXPERT)]
     assert not expanded, expanded
     # The grouped GEMM is batched over the local experts: [E_local, ep x capacity, F] in bf16.
@@ -231,12 +232,14 @@ def test_memory_next_to_the_planner(h200):
     assert -0.10 < plan / xla - 1 < 0.15, (plan, xla)
 
 
-@pytest.mark.parametrize("dispatch,bound", [("capacity", 0.10), ("dropless", 0.20)])
+@pytest.mark.parametrize("dispatch,bound", [("capacity", 0.10), ("dropless", 0.25)])
 def test_deepseek_v3_small_memory_next_to_the_planner(dispatch, bound):
     """The shipped DeepSeek-V3-small config in bf16 on 8 H200s: XLA:GPU's per-device memory next to the planner's.
     Measured 2026-12-03: capacity 47.13 MB XLA, 49.06 MB planner (+4.1%); dropless (the config's default, tokamax
     grouped GEMMs) 43.16 MB XLA, 50.88 MB planner (+17.9%: the planner sums the traced residuals of the ragged
-    path, XLA:GPU keeps less; not yet examined term by term)."""
+    path, XLA:GPU keeps less; not yet examined term by term). 2026-12-05, with the Adam moments split over data 2
+    (optim.state_sharding=data): dropless 35.80 MB XLA, 43.93 MB planner (+22.7%: both 7 MB lower, the same
+    absolute over-prediction on a smaller total)."""
     from moejax.planner.dry_run import dry_run
 
     c = runpy.run_path(str(ROOT / "configs" / "deepseek_v3_small.py"))["get_config"]()
