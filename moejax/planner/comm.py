@@ -124,12 +124,13 @@ def step_traffic(cfg, layout: Layout, seq_len: int | None = None) -> list[Traffi
         # Outside the stages the rows are split over `stage` as well (parallel/mesh.batch_axes): they are gathered
         # where the pipeline starts, and the cotangents of the stages' outputs (the hidden state, each MTP module's)
         # where the backward enters it.
-        out.append(Traffic("all-gather", ("stage",), slice_bytes * per_pass, n_passes, "rows gathered over stage into the "
-                           "pipeline", act_t))
+        out.append(Traffic("all-gather", ("stage",), slice_bytes * per_pass, n_passes,
+                           "rows gathered over stage into the pipeline", act_t))
         # XLA splits the backward's gathers in two steps with more than two stages (1.5 x the bytes, measured at
         # S = 4 on compiled CPU steps).
         out.append(Traffic("all-gather", ("stage",), slice_bytes * per_pass * (3 if layout.stage > 2 else 2) // 2,
-                           (1 + int(m.get("mtp_depth", 0))) * n_passes, "cotangents gathered over stage into the pipeline", act_t))
+                           (1 + int(m.get("mtp_depth", 0))) * n_passes,
+                           "cotangents gathered over stage into the pipeline", act_t))
 
     # Expert dispatch.
     ep, k, n_exp, d = layout.expert, int(e.top_k), int(e.n_routed_experts), int(m.d_model)

@@ -54,8 +54,9 @@ def optimizer_state_axes(cfg) -> tuple[str, ...]:
 
 
 def split_further(spec: P, shape, axis_sizes, axes: tuple[str, ...]) -> P:
-    """spec (of an array of `shape` on a mesh of axis_sizes: {axis: size}) with `axes` (those of size > 1 it does not use yet) added to the dim that keeps the largest slice and
-    divides evenly; unchanged where no dim divides (small leaves stay replicated over them)."""
+    """spec (of an array of `shape` on a mesh of axis_sizes: {axis: size}) with `axes` (those of size > 1 it does
+    not use yet) added to the dim that keeps the largest slice and divides evenly; unchanged where no dim divides
+    (small leaves stay replicated over them)."""
     entries = [(e,) if isinstance(e, str) else tuple(e or ()) for e in list(spec) + [None] * (len(shape) - len(spec))]
     used = {a for e in entries for a in e}
     extra = tuple(a for a in axes if axis_sizes[a] > 1 and a not in used)
@@ -147,8 +148,8 @@ def restack(state: TrainState, abstract, shardings, mesh: Mesh, saved_like, cfg)
 
 
 def restore_shardings(abstract, mesh: Mesh, cfg=None):
-    """train_state_shardings (state_shardings without cfg), with a dim left whole where its mesh axes do not divide it (a restore target in another
-    stacking: [V', L / V'] need not split over this run's stages)."""
+    """train_state_shardings (state_shardings without cfg), with a dim left whole where its mesh axes do not divide
+    it (a restore target in another stacking: [V', L / V'] need not split over this run's stages)."""
     def even(sharding, leaf):
         spec = list(sharding.spec) + [None] * (len(leaf.shape) - len(sharding.spec))
         for i, axes in enumerate(spec):

@@ -148,8 +148,9 @@ def parse_steps(spec: str) -> tuple[int, ...]:
 def jit_train_step(cfg, graphdef, tx, mesh: Mesh, shardings):
     """jax.jit of the train step with the state donated and every in/out sharding explicit."""
     del tx  # the state was made with make_optimizer(cfg.optim); the step applies that chain (optim.adamw_update)
-    fn = functools.partial(train_step, graphdef=graphdef, optim_cfg=cfg.optim, schedule=lr_schedule(cfg.optim, cfg.train.steps),
-                           bias_rate=float(cfg.moe.bias_update_rate), mtp_weight=float(cfg.model.mtp_loss_weight),
+    fn = functools.partial(train_step, graphdef=graphdef, optim_cfg=cfg.optim,
+                           schedule=lr_schedule(cfg.optim, cfg.train.steps), bias_rate=float(cfg.moe.bias_update_rate),
+                           mtp_weight=float(cfg.model.mtp_loss_weight),
                            mtp_depth=int(cfg.model.mtp_depth),
                            nan_steps=parse_steps(cfg.guards.inject_nan_steps),
                            # pipeline stages: the model runs mesh.pipeline_in_flight micro-batches through its stages
