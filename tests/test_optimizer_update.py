@@ -49,7 +49,7 @@ def test_fused_update_is_the_optax_chain(clip_norm):
     fused_params, fused_opt = params, tx.init(params)
     # jitted (one compile each) rather than op by op: eager dispatch of every leaf's ops took 10 s
     ref_step = jax.jit(lambda *args: reference(tx, *args))
-    fused_step = jax.jit(lambda *args: adamw_update(optim_cfg, *args))
+    fused_step = jax.jit(lambda g, *rest: adamw_update(optim_cfg, g, optax.tree.norm(g), *rest))
     for step, apply in enumerate([True, True, False, True]):
         grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), p.dtype), params)
         lr = jnp.float32(1e-3 * (step + 1))

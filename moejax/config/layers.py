@@ -94,9 +94,10 @@ def pipeline_in_flight(cfg) -> int:
     return k if k > 0 else int(cfg.train.micro_batches)
 
 
-def pipeline_passes(cfg) -> int:
-    """Passes of a step with pipeline stages: train.micro_batches / pipeline_in_flight (the gradient accumulates
-    over them); 1 without stages (accumulation then runs over train.micro_batches single-pass micro-batches)."""
+def accumulation_passes(cfg) -> int:
+    """Forward/backward passes the train step accumulates the gradient over: train.micro_batches without pipeline
+    stages; with them, train.micro_batches / pipeline_in_flight (each pass runs that many micro-batches through the
+    stages; by default all in one pass)."""
     if int(cfg.mesh.get("stage", 1)) <= 1:
-        return 1
+        return int(cfg.train.micro_batches)
     return max(1, int(cfg.train.micro_batches) // pipeline_in_flight(cfg))

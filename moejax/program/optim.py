@@ -47,9 +47,11 @@ def apply_learning_rate(direction, lr: jax.Array):
     return jax.tree.map(lambda d: jnp.asarray(-lr, d.dtype) * d, direction)
 
 
-def adamw_update(optim_cfg, grads, opt_state, params, lr: jax.Array, apply: jax.Array, moment_shardings=None):
+def adamw_update(optim_cfg, grads, grad_norm: jax.Array, opt_state, params, lr: jax.Array, apply: jax.Array,
+                 opt_state_shardings=None):
     """(params, opt_state) after one step of make_optimizer's chain at learning rate `lr`, or unchanged where
-    `apply` is False (the non-finite guard): the chain's arithmetic, operation for operation.
+    `apply` is False (the non-finite guard): the chain's arithmetic, operation for operation but for the clip's
+    rounding (below). grad_norm: the global norm of `grads` (the step has it already).
 
     Why not tx.update + apply_updates + a select: that program reads each old moment again after the new one is
     written (the guard's select, the update direction), and optax's clip divides every element by the norm, which
@@ -60,30 +62,20 @@ def adamw_update(optim_cfg, grads, opt_state, params, lr: jax.Array, apply: jax.
     is a scalar multiply that fuses into both moments, and the parameters read the new moments (equal to the
     unselected ones whenever the step applies).
 
-    moment_shardings (NamedShardings like the params; a distributed optimizer's moments split over `data`): each
+    opt_state_shardings (the state's shardings; a distributed optimizer's moments split over `data`): each
     update is computed where its moments live, so a data rank updates its slice and the new parameters are
     all-gathered to their own sharding (by the step's out_shardings); without the constraint GSPMD may gather the
     moments instead."""
     o = optim_cfg
     clip_state, adam, decay_state = opt_state
-    g_norm = optax.tree.norm(grads)
     # optax.clip_by_global_norm: t if norm < max else t / norm * max. The scale as one scalar (rounding differs from
     # t / norm * max by at most one ulp of f32).
-    clip_scale = jnp.where(g_norm < o.clip_norm, 1.0, o.clip_norm / g_norm)
+    clip_scale = jnp.where(grad_norm < o.clip_norm, 1.0, o.clip_norm / grad_norm)
     count = jnp.where(adam.count < jnp.iinfo(jnp.int32).max, adam.count + 1, adam.count)  # optax safe_increment
     bias_mu, bias_nu = 1 - o.b1 ** count, 1 - o.b2 ** count
-    decay = _decay_mask(params)
-
-    def moments(g, mu, nu):
-        g = g * clip_scale.astype(g.dtype)
-        mu_new = (1 - o.b1) * g + o.b1 * mu
-        nu_new = (1 - o.b2) * (g ** 2) + o.b2 * nu
-        return jnp.where(apply, mu_new, mu), jnp.where(apply, nu_new, nu)
-
-    mu_nu = jax.tree.map(moments, grads, adam.mu, adam.nu)
-    is_pair = lambda x: isinstance(x, tuple)  # noqa: E731
-    mu = jax.tree.map(lambda pair: pair[0], mu_nu, is_leaf=is_pair)
-    nu = jax.tree.map(lambda pair: pair[1], mu_nu, is_leaf=is_pair)
+    clipped = lambda g: g * clip_scale.astype(g.dtype)  # noqa: E731  (fuses into each moment's pass)
+    mu = jax.tree.map(lambda g, m: jnp.where(apply, (1 - o.b1) * clipped(g) + o.b1 * m, m), grads, adam.mu)
+    nu = jax.tree.map(lambda g, v: jnp.where(apply, (1 - o.b2) * (clipped(g) ** 2) + o.b2 * v, v), grads, adam.nu)
 
     def param(p, mu, nu, decays, sharding):
         direction = (mu / bias_mu.astype(mu.dtype)) / (jnp.sqrt(nu / bias_nu.astype(nu.dtype)) + o.eps)
@@ -94,9 +86,9 @@ def adamw_update(optim_cfg, grads, opt_state, params, lr: jax.Array, apply: jax.
         new = jnp.asarray(p + jnp.asarray(-lr, direction.dtype) * direction).astype(p.dtype)
         return jnp.where(apply, new, p)
 
-    decays_of = jax.tree.map(bool, jax.tree.leaves(decay))
+    decays_of = [bool(d) for d in jax.tree.leaves(_decay_mask(params))]
     leaves, treedef = jax.tree.flatten(params)
-    shardings = [None] * len(leaves) if moment_shardings is None else jax.tree.leaves(moment_shardings)
+    shardings = [None] * len(leaves) if opt_state_shardings is None else jax.tree.leaves(opt_state_shardings[1].mu)
     new_leaves = [param(*args) for args in zip(leaves, jax.tree.leaves(mu), jax.tree.leaves(nu), decays_of, shardings,
                                                strict=True)]
     adam = adam._replace(count=jnp.where(apply, count, adam.count), mu=mu, nu=nu)

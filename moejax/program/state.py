@@ -147,8 +147,8 @@ def restack(state: TrainState, abstract, shardings, mesh: Mesh, saved_like, cfg)
         return jax.jit(restacked, out_shardings=shardings)(jax.tree.leaves(state))
 
 
-def restore_shardings(abstract, mesh: Mesh, cfg=None):
-    """train_state_shardings (state_shardings without cfg), with a dim left whole where its mesh axes do not divide
+def restore_shardings(cfg, abstract, mesh: Mesh):
+    """train_state_shardings, with a dim left whole where its mesh axes do not divide
     it (a restore target in another stacking: [V', L / V'] need not split over this run's stages)."""
     def even(sharding, leaf):
         spec = list(sharding.spec) + [None] * (len(leaf.shape) - len(sharding.spec))
@@ -161,5 +161,4 @@ def restore_shardings(abstract, mesh: Mesh, cfg=None):
                 spec[i] = None
         return NamedSharding(mesh, P(*spec))
 
-    shardings = state_shardings(abstract, mesh) if cfg is None else train_state_shardings(cfg, abstract, mesh)
-    return jax.tree.map(even, shardings, abstract)
+    return jax.tree.map(even, train_state_shardings(cfg, abstract, mesh), abstract)

@@ -10,7 +10,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from moejax.config.layers import pipeline_passes
+from moejax.config.layers import accumulation_passes
 from moejax.model.loss import lm_loss, target_mask
 from moejax.model.moe import combine_micro_stats, exact_dispatch
 from moejax.parallel.mesh import batch_sharding
@@ -94,7 +94,7 @@ def _accumulate(state, graphdef, tokens_BxL1, segments_BxL1, mtp_weight, mtp_dep
 
 def train_step(state: TrainState, batch: dict, *, graphdef, optim_cfg, schedule, bias_rate: float,
                mtp_weight: float = 0.0, mtp_depth: int = 0, nan_steps: tuple[int, ...] = (), micro_batches: int = 1,
-               moment_shardings=None):
+               opt_state_shardings=None):
     """One optimizer step on batch {"tokens", "segment_ids"} ([B, L + 1] int32; or just the tokens). A step whose loss or
     gradient is not finite changes nothing but the step counter (its batch is skipped) and reports
     skipped=1, so one bad batch cannot poison the parameters or the Adam moments."""
@@ -115,8 +115,8 @@ def train_step(state: TrainState, batch: dict, *, graphdef, optim_cfg, schedule,
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     lr = schedule(state.step)  # the step counter is the schedule's clock, skipped steps included
-    params, opt_state = adamw_update(optim_cfg, grads, state.opt_state, state.params, lr, finite,
-                                     moment_shardings)
+    params, opt_state = adamw_update(optim_cfg, grads, grad_norm, state.opt_state, state.params, lr, finite,
+                                     opt_state_shardings)
     model_state = state.model_state
     if stats is not None and bias_rate:
         # The bias follows the loads of this step, summed over the whole mesh (psum in dispatch).
@@ -153,11 +153,7 @@ def jit_train_step(cfg, graphdef, tx, mesh: Mesh, shardings):
                            mtp_weight=float(cfg.model.mtp_loss_weight),
                            mtp_depth=int(cfg.model.mtp_depth),
                            nan_steps=parse_steps(cfg.guards.inject_nan_steps),
-                           # pipeline stages: the model runs mesh.pipeline_in_flight micro-batches through its stages
-                           # per pass (all of them in one pass by default), the step accumulates over the passes
-                           micro_batches=(pipeline_passes(cfg) if int(cfg.mesh.get("stage", 1)) > 1
-                                          else int(cfg.train.micro_batches)),
-                           moment_shardings=shardings.opt_state[1].mu)
+                           micro_batches=accumulation_passes(cfg), opt_state_shardings=shardings.opt_state)
     return jax.jit(fn, in_shardings=(shardings, batch_sharding(mesh)),
                    out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=0)
 

@@ -204,7 +204,7 @@ def _initial_state(cfg, tx, mesh, checkpointer: Checkpointer, start: int, finger
             state, meta = checkpointer.restore(start, abstract, shardings)
         else:  # saved with another storage of the MoE stack (virtual stages, uneven split): moved into ours
             saved_abstract = abstract_state(saved_like, tx)
-            state, meta = checkpointer.restore(start, saved_abstract, restore_shardings(saved_abstract, mesh, cfg))
+            state, meta = checkpointer.restore(start, saved_abstract, restore_shardings(cfg, saved_abstract, mesh))
             state = restack(state, abstract, shardings, mesh, saved_like, cfg)
         if meta["data"]["fingerprint"] != fingerprint:
             raise CheckpointError(f"the data changed since checkpoint {start} was saved ({meta['data']['fingerprint']}"
