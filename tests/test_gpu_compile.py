@@ -147,22 +147,44 @@ def test_pipelined_dropless_runs_ragged_exchanges_inside_the_stages(h200_pipelin
     assert r["xla"]["kernels"]["custom_calls"].get("mosaic_gpu_v2", 0) >= 9, r["xla"]["kernels"]
 
 
+_GB300_DRY_RUN = """
+import json, os, sys
+os.environ["JAX_PLATFORMS"] = "cpu"
+from moejax.parallel.hlo_kernels import array_shapes
+from moejax.planner.dry_run import dry_run
+from tests.test_gpu_compile import DROPLESS_D_FF, _dots_with_shapes, gpu_config
+
+c = gpu_config("dropless")
+c.moe.d_ff_expert = DROPLESS_D_FF
+for key, value in json.loads(sys.argv[1]).items():
+    node = c
+    *path, leaf = key.split(".")
+    for part in path:
+        node = node[part]
+    node[leaf] = value
+r = dry_run(c, 8, "gb300", keep_hlo=True)
+hlo = r.pop("hlo")
+r["array_shapes"] = sorted({(dtype, tuple(dims)) for dtype, dims in array_shapes(hlo)})
+r["dots"] = _dots_with_shapes(hlo)
+open(sys.argv[2], "w").write(json.dumps(r, default=str))
+"""
+
+
 def _gb300_dry_run_in_own_process(work, **extra):
-    """The gpu_config('dropless') shape dry-run for GB300 through the CLI in its own process: one process compiles
-    Mosaic GPU kernels for one GPU generation (after an H200 compile, ptxas refuses the sm_103 target)."""
+    """The gpu_config('dropless') shape (tokamax-tileable expert FFN) dry-run for 8 GB300s in its own process:
+    one process compiles Mosaic GPU kernels for one GPU generation (after an H200 compile, ptxas refuses the
+    sm_103 target). Returns the report with the compiled program's array shapes and dot operand shapes."""
     import json
     import subprocess
     import sys
 
-    flags = {"model.dtype": "bfloat16", "model.vocab_size": VOCAB, "train.global_batch": BATCH, "train.seq_len": SEQ,
-             "kernels.loss_chunk": CHUNK, "moe.d_ff_expert": DROPLESS_D_FF, "moe.dispatch": "dropless",
-             "mesh.data": 2, "mesh.fsdp": 1, "mesh.expert": 4, "mesh.tensor": 1, **extra}
-    r = subprocess.run([sys.executable, "-m", "moejax.cli.train", "--config", str(ROOT / "configs/deepseek_v3_small.py"),
-                        *[f"--config.{k}={v}" for k, v in flags.items()], "--dry_run", "--dry_run_target", "gb300",
-                        "--workdir", str(work)], capture_output=True, text=True, cwd=ROOT, timeout=900,
-                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    out = work / "dry_run.json"
+    r = subprocess.run([sys.executable, "-c", _GB300_DRY_RUN, json.dumps(extra), str(out)], capture_output=True,
+                       text=True, cwd=ROOT, timeout=900, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads((work / "dry_run.json").read_text())
+    report = json.loads(out.read_text())
+    report["array_shapes"] = [(dtype, tuple(dims)) for dtype, dims in report["array_shapes"]]
+    return report
 
 
 @pytest.fixture(scope="session")
@@ -171,17 +193,34 @@ def gb300_dropless(tmp_path_factory):
 
 
 @pytest.mark.xdist_group("gb300_dropless")
-def test_dropless_on_blackwell_runs_the_tiled_einsum_and_ragged_exchanges(gb300_dropless):
-    """On compute capability 10.x auto picks the block-diagonal tiled einsum (tokamax's Blackwell grouped GEMM
-    cannot run inside shard_map); the exchange is still ragged, in window-sized buffers."""
+def test_dropless_on_blackwell_runs_tokamax_grouped_gemms_and_ragged_exchanges(gb300_dropless):
+    """On compute capability 10.x auto picks tokamax's grouped GEMM, run in the untyped dispatch shard_map (its
+    sm100 Pallas kernels refuse varying-typed inputs): the forward and input-gradient GEMMs are Mosaic GPU
+    kernels, the weight gradient tiled XLA GEMMs in chunks of E_local tiles (tokamax has no sm100 kernel for the
+    ragged-contracting form). No expert weight enters a dense dot and no per-tile copy of the weights (an
+    [n_tiles > E_local, D, F] array, the block-diagonal einsum's) exists; the exchange is still ragged, in
+    window-sized buffers."""
     r = gb300_dropless
-    assert r["kernels"]["expert_gemm"] == "einsum" and r["device_kind"] == "NVIDIA GB300"
+    assert r["kernels"]["expert_gemm"] == "tokamax" and r["device_kind"] == "NVIDIA GB300"
     c = gpu_config("dropless")
-    routed, window, overflow, worst = _window_rows(c, 8)
-    rows = {col["bytes"] // (c.model.d_model * 2) for col in r["collectives"] if col["kind"] == "ragged-all-to-all"}
+    e_local, d_model = c.moe.n_routed_experts // 4, c.model.d_model
+    # 9 flash-attention calls + per dropless round body (the first round, the overflow rounds' loop and its
+    # backward's recompute) 3 forward GEMMs, and 3 input-gradient GEMMs per backward: 37 measured 2026-12-05.
+    assert r["xla"]["kernels"]["custom_calls"].get("mosaic_gpu_v2", 0) >= 9 + 3 * 3 + 3 * 2, r["xla"]["kernels"]
+    weight_dims = {(d_model, DROPLESS_D_FF), (DROPLESS_D_FF, d_model)}
+    per_tile = [s for s in r["array_shapes"] if len(s[1]) == 3 and s[1][1:] in weight_dims and s[1][0] > e_local]
+    assert not per_tile, per_tile
+    weight_shapes = {f"{t}[{e_local},{a},{b}]" for t in ("bf16", "f32") for a, b in weight_dims}
+    dense = [d for d in r["dots"] if set(d) & weight_shapes]
+    assert not dense, dense
+    # the weight gradient's tiles: [E_local, tile, D] x [E_local, tile, F] bf16 GEMMs (tile 256)
+    assert ("bf16", (e_local, 256, DROPLESS_D_FF)) in r["array_shapes"]
+    routed, window, overflow, worst = _window_rows(c, 64)
+    rows = {col["bytes"] // (d_model * 2) for col in r["collectives"] if col["kind"] == "ragged-all-to-all"}
     assert rows == {routed, window, overflow}, rows
     xla, plan = r["xla"]["memory_bytes"], r["plan"]["memory_bytes"]
-    assert abs(plan / xla - 1) < 0.1, (plan, xla)  # +2.3% measured 2026-12-03
+    # +24.0% measured 2026-12-05 (87.7 MB XLA, 108.8 MB planner): the planner's ragged-path residuals, as on H200
+    assert 1.0 <= plan / xla < 1.3, (plan, xla)
 
 
 @pytest.mark.xdist_group("h200")

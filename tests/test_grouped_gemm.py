@@ -56,3 +56,19 @@ def test_tile_loop_equals_each_row_through_its_expert(load):
                          argnums=(0, 1, 2, 3))(x_RxD, *weights)
     for g, ref in zip(grads, ref_grads):
         np.testing.assert_allclose(g, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("sizes", [(13, 0, 19), (0, 0, 0), (40, 0, 0), (1, 30, 2)],
+                         ids=["ragged", "no-rows", "one-group-all-rows", "many-chunks"])
+def test_tiled_weight_grad_equals_each_groups_x_transpose_dy(sizes):
+    """The Blackwell weight gradient of the tokamax path (tiled GEMMs in chunks of E tiles, only the chunks holding
+    rows run): each group's x^T dy over its own rows, rows past the groups ignored. Tiles of 4 rows: 'many-chunks'
+    needs 9 tiles (3 chunks of 3), 'one-group-all-rows' 10 tiles of one group spread over 4 chunks."""
+    kx, kd = jax.random.split(jax.random.key(sum(sizes)))
+    x_RxD, dy_RxF = jax.random.normal(kx, (ROWS, D)), jax.random.normal(kd, (ROWS, F))
+    sizes_E = jnp.asarray(sizes, jnp.int32)
+    got = jax.jit(lambda *a: grouped_gemm.tiled_weight_grad(*a, tile=4))(x_RxD, dy_RxF, sizes_E)
+    bounds = np.cumsum((0,) + sizes)
+    want = np.stack([np.asarray(x_RxD)[a:b].T @ np.asarray(dy_RxF)[a:b] for a, b in zip(bounds[:-1], bounds[1:])])
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -63,10 +63,16 @@ def test_tokamax_grouped_gemm_needs_tileable_expert_dims(monkeypatch):
     c.moe.d_ff_expert = 192
     assert resolve.resolve_kernels(c, "gpu")["expert_gemm"] == "tokamax"
     assert resolve.resolve_kernels(c, "gpu", 9.0)["expert_gemm"] == "tokamax"
-    # Blackwell: auto takes the tiled einsum; tokamax asked for by name is refused.
+    # Blackwell too (its weight gradient as tiled GEMMs, grouped_gemm.tokamax_weight_grad_form); the tiled einsum
+    # stays selectable.
+    assert resolve.resolve_kernels(c, "gpu", 10.3)["expert_gemm"] == "tokamax"
+    c.kernels.expert_gemm = "einsum"
+    assert resolve.resolve_kernels(c, "gpu", 10.3)["expert_gemm"] == "einsum"
+    # FP8 expert GEMMs are qwix einsums: tokamax has no e4m3 x e4m3 grouped GEMM
+    c.model.fp8, c.kernels.expert_gemm = "mxfp8", "auto"
     assert resolve.resolve_kernels(c, "gpu", 10.3)["expert_gemm"] == "einsum"
     c.kernels.expert_gemm = "tokamax"
-    with pytest.raises(ConfigError, match="tokamax's Blackwell grouped GEMM cannot run inside shard_map"):
+    with pytest.raises(ConfigError, match="tokamax 0.0.17 has no e4m3 x e4m3 grouped GEMM"):
         resolve.resolve_kernels(c, "gpu", 10.3)
 
 

@@ -114,6 +114,23 @@ def test_moe_block_matches_dense_reference(shape, mode, backend, score_func, dev
     assert float(stats.assignments) == BATCH * SEQ * cfg.top_k
 
 
+# tokamax's grouped GEMM as run on Blackwell (the weight gradient as tiled GEMMs, the dispatch untyped) and on
+# Hopper (tokamax's kernel for it), through tokamax's XLA reference kernels on CPU: data x expert (the replica
+# sum left to shard_map), fsdp x expert and expert x tensor.
+TOKAMAX_CASES = [((2, 1, 4, 1), "tiles"), ((1, 2, 4, 1), "tiles"), ((2, 1, 2, 2), "tiles"), ((2, 1, 4, 1), "kernel")]
+
+
+@pytest.mark.parametrize("shape,weight_grad", TOKAMAX_CASES,
+                         ids=lambda v: "d{}f{}e{}t{}".format(*v) if isinstance(v, tuple) else v)
+def test_dropless_through_tokamax_matches_dense_reference(shape, weight_grad, devices, monkeypatch):
+    pytest.importorskip("tokamax")
+    from moejax.kernels import grouped_gemm
+
+    monkeypatch.setattr(grouped_gemm, "TOKAMAX_IMPLEMENTATION", "xla")
+    monkeypatch.setattr(grouped_gemm, "TOKAMAX_WEIGHT_GRAD", weight_grad)
+    test_moe_block_matches_dense_reference(shape, "dropless", "tokamax", "sigmoid", devices)
+
+
 def expected_keep_mask(chosen_BxLxE, w_BxLxE, n_groups, capacity, policy):
     """What the drop policy keeps: in each group of consecutive tokens (one device's, or one expert
     group's for allgather), an expert keeps its first `capacity` assignments in token order ('position')

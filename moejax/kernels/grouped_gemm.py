@@ -12,7 +12,10 @@
               receive window (XLA:CPU, where a loop iteration costs microseconds; dropless on CPU). Equal groups
               (capacity, allgather) run as `einsum`.
   tokamax     tokamax's grouped GEMM (`tokamax.ragged_dot`, Mosaic GPU kernels for sm90 / sm100): work in
-              proportion to the rows present, for dropless dispatch.
+              proportion to the rows present, for dropless dispatch. The forward and the input gradient are
+              tokamax kernels on both; the weight gradient (each expert's x^T dy, the ragged dim contracted) is
+              tokamax's sm90 kernel on Hopper, and on Blackwell, where tokamax 0.0.17 has no kernel for that
+              form, batched GEMMs over 256-row tiles in chunks (`tiled_weight_grad`).
 """
 
 from __future__ import annotations
@@ -47,8 +50,77 @@ def _tokamax(x_RxD, w_ExDxF, group_sizes_E):
     return tokamax.ragged_dot(x_RxD, w_ExDxF, group_sizes_E, implementation=TOKAMAX_IMPLEMENTATION)
 
 
+# How the tokamax path computes the weight gradient: "auto" (tokamax's kernel where it has one for the
+# ragged-contracting form, sm90; tiles on Blackwell, compute capability 10.x, and anywhere tokamax has none),
+# "kernel" or "tiles". Tests set "tiles" to run the Blackwell path on CPU.
+TOKAMAX_WEIGHT_GRAD = "auto"
+# Rows per tile of the tiled weight gradient: each expert's rows padded to whole tiles (padding < one tile per
+# expert); x^T dy of one tile is a [D, tile] x [tile, F] GEMM, so the tile is also the GEMM's contraction length.
+WEIGHT_GRAD_TILE = 256
+
+
+def _default_compute_capability() -> float | None:
+    """The compute capability of the device being traced for (a deviceless compile's compile-only GPU too: jax's
+    default device, the one tokamax picks its sm90/sm100 kernels by)."""
+    from jax.extend import backend
+
+    device = backend.get_default_device()
+    cc = getattr(device, "compute_capability", None) if device.platform == "gpu" else None
+    return None if cc is None else float(cc)
+
+
+def tokamax_weight_grad_form() -> str:
+    """'kernel' or 'tiles': how the tokamax path's weight gradient runs where this is traced."""
+    if TOKAMAX_WEIGHT_GRAD != "auto":
+        return TOKAMAX_WEIGHT_GRAD
+    cc = _default_compute_capability()
+    return "tiles" if cc is not None and cc >= 10 else "kernel"
+
+
+def _count_at_most(sorted_N, v_M):
+    """[M] int32: how many of sorted_N are <= each v, by compare and count (N is the few local experts; jax's
+    searchsorted mis-types varying axes under the pipeline's vmap, dropless._count_at_most)."""
+    return jnp.sum(v_M[:, None] >= sorted_N[None, :], axis=1, dtype=jnp.int32)
+
+
+def tiled_weight_grad(x_RxD, dy_RxF, group_sizes_E, *, tile: int = WEIGHT_GRAD_TILE):
+    """[E, D, F] f32: each group's x^T dy over rows sorted by group (group e owns the next group_sizes_E[e] rows;
+    rows past the groups are ignored), as batched GEMMs: each group's rows padded to whole tiles, one [D, tile] x
+    [tile, F] GEMM per tile, the tiles' products summed into their group's gradient by a one-hot GEMM (E/(2 tile)
+    of the GEMMs' own work). A loop over chunks of E tiles runs only the chunks holding rows, so the work follows
+    the load and the transient is one chunk's products: E x D x F in f32, the size of the gradient itself (all
+    tiles at once would be a per-tile weight-sized copy for every tile of the window)."""
+    n_rows, d_model = x_RxD.shape
+    n_groups, d_out = group_sizes_E.shape[0], dy_RxF.shape[1]
+    sizes_E = group_sizes_E.astype(jnp.int32)
+    zero = jnp.zeros((1,), jnp.int32)
+    starts_E = jnp.cumsum(jnp.concatenate([zero, sizes_E[:-1]]))
+    padded_E = (sizes_E + tile - 1) // tile * tile
+    padded_start_E = jnp.cumsum(jnp.concatenate([zero, padded_E[:-1]]))
+    chunk = n_groups  # tiles per loop iteration
+    n_chunks = -(-jnp.sum(padded_E) // (tile * chunk))
+
+    def body(c, acc_ExDxF):
+        slot_S = c * chunk * tile + jnp.arange(chunk * tile, dtype=jnp.int32)
+        group_S = jnp.clip(_count_at_most(padded_start_E, slot_S) - 1, 0, n_groups - 1)
+        rank_S = slot_S - padded_start_E[group_S]
+        src_S = jnp.where(rank_S < sizes_E[group_S], starts_E[group_S] + rank_S, n_rows)  # n_rows: a zero row
+        x_CxMxD, dy_CxMxF = (jnp.take(a, src_S, axis=0, mode="fill", fill_value=0).reshape(chunk, tile, -1)
+                             for a in (x_RxD, dy_RxF))
+        g_CxDxF = jnp.einsum("cmd,cmf->cdf", x_CxMxD, dy_CxMxF, preferred_element_type=jnp.float32)
+        one_hot_CxE = jax.nn.one_hot(group_S[::tile], n_groups, dtype=jnp.float32)
+        return acc_ExDxF + jnp.einsum("ce,cdf->edf", one_hot_CxE, g_CxDxF)
+
+    init = _mark_varying(jnp.zeros((n_groups, d_model, d_out), jnp.float32),
+                         _varying_union(x_RxD, dy_RxF, group_sizes_E))
+    return jax.lax.fori_loop(0, n_chunks, body, init)
+
+
 def _tokamax_weight_grad(x_RxD, dy_RxF, group_sizes_E):
-    """[E, D, F]: each group's x^T dy, contracting its own rows (tokamax's ragged dot over the ragged dim)."""
+    """[E, D, F]: each group's x^T dy, contracting its own rows (tokamax's ragged dot over the ragged dim, or the
+    tiled GEMMs where tokamax has no kernel for that form)."""
+    if tokamax_weight_grad_form() == "tiles":
+        return tiled_weight_grad(x_RxD, dy_RxF, group_sizes_E)
     import tokamax
 
     dims = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])),

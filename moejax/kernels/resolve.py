@@ -100,10 +100,13 @@ def _expert_gemm(cfg, platform: str, compute_capability: float | None = None) ->
     kernel = cfg.kernels.expert_gemm
     ragged = cfg.moe.dispatch == "dropless"
     if cfg.model.get("fp8", "none") != "none":
-        # FP8 expert GEMMs are qwix-quantised einsums (kernels/fp8.py); the ragged kernels take no FP8 here.
+        # FP8 expert GEMMs are qwix-quantised einsums (kernels/fp8.py). tokamax 0.0.17 has no FP8 x FP8 ragged
+        # kernel: its sm100 "fp8" kernel takes e4m3 activations with int4 weights, its other quantised kernels
+        # (sm90, sm100) dequantise int weights to bf16, and its bf16 kernels check for bf16/f16 operands.
         if kernel in ("tokamax", "ragged_dot", "tile_loop"):
             raise ConfigError(f"kernels.expert_gemm={kernel!r} with model.fp8={cfg.model.fp8!r}: the FP8 expert GEMM is "
-                              "the einsum one (qwix); use kernels.expert_gemm='einsum' or 'auto'")
+                              "the einsum one (qwix; tokamax 0.0.17 has no e4m3 x e4m3 grouped GEMM); use "
+                              "kernels.expert_gemm='einsum' or 'auto'")
         return "einsum"
     if kernel == "auto":
         # Capacity and allgather buffers are [E_local, C, D] with equal groups: a batched GEMM (cuBLAS on GPU)
@@ -114,10 +117,6 @@ def _expert_gemm(cfg, platform: str, compute_capability: float | None = None) ->
             return "einsum"
         if platform != "gpu":
             return "tile_loop"
-        if compute_capability is not None and compute_capability >= 10:
-            # tokamax's Blackwell grouped GEMM cannot run inside shard_map (below): the block-diagonal tiled einsum
-            # (dropless.window_expert_ffn: batched GEMMs over 256-row tiles, each with its expert's weights).
-            return "einsum"
         _need_tokamax("expert_gemm", kernel, " with moe.dispatch='dropless' on gpu (grouped GEMM: tokamax)")
         kernel = "tokamax"
     elif kernel == "ragged_dot" and platform == "gpu":
@@ -126,12 +125,6 @@ def _expert_gemm(cfg, platform: str, compute_capability: float | None = None) ->
     elif kernel == "tokamax":
         _need_gpu("expert_gemm", kernel, platform)
         _need_tokamax("expert_gemm", kernel, "")
-    if kernel == "tokamax" and compute_capability is not None and compute_capability >= 10:
-        # tokamax 0.0.17's sm100 grouped GEMM is a Pallas mpmd_map, which refuses the varying-typed inputs every
-        # array has inside the dispatch shard_map (seen compiling for B200 and GB300; sm90 compiles).
-        raise ConfigError(f"kernels.expert_gemm='tokamax' on compute capability {compute_capability}: tokamax's "
-                          "Blackwell grouped GEMM cannot run inside shard_map (its Pallas kernel refuses "
-                          "shard_map's varying arrays); use kernels.expert_gemm='einsum' (auto's choice there)")
     if kernel == "tokamax":
         tensor = max(1, int(cfg.mesh.tensor))
         dims = {"model.d_model": int(cfg.model.d_model), "moe.d_ff_expert": int(cfg.moe.d_ff_expert) // tensor}

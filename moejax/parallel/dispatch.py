@@ -143,8 +143,9 @@ def _dropless_moe(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF,
     return out_TxD, _stats(counts_E, jnp.int32(0), expert_idx_TxK.size, collective, rounds)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
-def _weights_for_compute(w_shard, d_model_dim: int, dtype, f32_grad: bool, replicas: tuple[str, ...], fsdp: int):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5, 6))
+def _weights_for_compute(w_shard, d_model_dim: int, dtype, f32_grad: bool, replicas: tuple[str, ...], fsdp: int,
+                         typed: bool):
     """Inside the dispatch shard_map: this device's expert weights cast to the compute dtype, then all-gathered
     over fsdp (stored split on d_model): the gather moves compute-dtype bytes. replicas: the batch axes of size > 1
     the weights are replicated over (data; `stage` too outside pipeline stages); fsdp: that axis' size (no gather
@@ -153,7 +154,10 @@ def _weights_for_compute(w_shard, d_model_dim: int, dtype, f32_grad: bool, repli
     Backward (the mixed-precision contract): the weight gradient is summed over the replica axes and
     reduce-scattered over fsdp in f32 (f32_grad) - autodiff would do both in the compute dtype, at the shard_map
     boundary. The output is marked varying over the replica axes so no implicit (compute-dtype) reduction is left
-    for shard_map to insert.
+    for shard_map to insert. typed=False (a shard_map with check_vma=False, _untyped_dispatch): shard_map's
+    transpose itself sums the weights' cotangent over the axes their in_spec does not name (the replicas), on
+    the cotangent as returned here, already cast to the parameter dtype (f32 with f32_grad), so it is not summed
+    here a second time.
     """
     w = w_shard.astype(dtype)
     if fsdp > 1:
@@ -164,13 +168,14 @@ def _weights_for_compute(w_shard, d_model_dim: int, dtype, f32_grad: bool, repli
     return jax.lax.pcast(w, replicas, to="varying") if replicas else w
 
 
-def _weights_fwd(w_shard, d_model_dim, dtype, f32_grad, replicas, fsdp):
-    return _weights_for_compute(w_shard, d_model_dim, dtype, f32_grad, replicas, fsdp), jnp.zeros((0,), w_shard.dtype)
+def _weights_fwd(w_shard, d_model_dim, dtype, f32_grad, replicas, fsdp, typed):
+    return (_weights_for_compute(w_shard, d_model_dim, dtype, f32_grad, replicas, fsdp, typed),
+            jnp.zeros((0,), w_shard.dtype))
 
 
-def _weights_bwd(d_model_dim, dtype, f32_grad, replicas, fsdp, param_dtype_0, grad_w):
+def _weights_bwd(d_model_dim, dtype, f32_grad, replicas, fsdp, typed, param_dtype_0, grad_w):
     grad_w = grad_w.astype(jnp.float32 if f32_grad else dtype)
-    if replicas:
+    if replicas and typed:
         grad_w = jax.lax.psum(grad_w, replicas)
     if fsdp > 1:
         grad_w = jax.lax.psum_scatter(grad_w, FSDP_AXIS, scatter_dimension=d_model_dim, tiled=True)
@@ -178,6 +183,17 @@ def _weights_bwd(d_model_dim, dtype, f32_grad, replicas, fsdp, param_dtype_0, gr
 
 
 _weights_for_compute.defvjp(_weights_fwd, _weights_bwd)
+
+def _untyped_dispatch(mesh, mode: str, gemm: str) -> bool:
+    """Whether the dispatch shard_map runs with check_vma=False (no varying-axis types; every sum explicit):
+    - with tokamax's grouped GEMM: its Blackwell kernels are Pallas mpmd_maps, which refuse inputs typed as
+      varying over a mesh axis ("mpmd_map does not support Refs with varying manual axis types"); every array
+      inside the dispatch is. One path for tokamax on every GPU, so Hopper runs the same program shape.
+    - dropless inside pipeline stages (dropless._count_at_most: jax mis-types varying axes under the stages' vmap).
+    The dispatch code types nothing it relies on: its collectives are explicit, the custom VJPs' varying marks are
+    no-ops untyped, and _weights_for_compute leaves the replica sum to shard_map's transpose."""
+    return gemm == "tokamax" or (mode == "dropless" and inside_pipeline_stage(mesh))
+
 
 _MODES = {"capacity": _capacity_moe, "allgather": _allgather_moe, "dropless": _dropless_moe}
 
@@ -216,14 +232,15 @@ def routed_experts(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF
     replicas = tuple(a for a in batch_axes() if a not in (EXPERT_AXIS, FSDP_AXIS) and mesh.shape[a] > 1)
     fsdp = mesh.shape[FSDP_AXIS]
 
+    typed = not _untyped_dispatch(mesh, mode, gemm)
+
     def body(x, idx, w, w_gate, w_up, w_down):
-        w_gate, w_up = (_weights_for_compute(w_, 1, dtype, f32_grad, replicas, fsdp) for w_ in (w_gate, w_up))
-        w_down = _weights_for_compute(w_down, 2, dtype, f32_grad, replicas, fsdp)
+        w_gate, w_up = (_weights_for_compute(w_, 1, dtype, f32_grad, replicas, fsdp, typed) for w_ in (w_gate, w_up))
+        w_down = _weights_for_compute(w_down, 2, dtype, f32_grad, replicas, fsdp, typed)
         return body_fn(x, idx, w, w_gate, w_up, w_down, n_experts=n_experts, ep=ep, capacity=capacity, gemm=gemm,
                        drop_policy=drop_policy, collective=True, ffn_axis=ffn_axis)
 
-    in_stage = inside_pipeline_stage(mesh)
     return jax.shard_map(
         body, mesh=mesh, in_specs=(tokens, tokens, tokens, w_in, w_in, w_out),
-        out_specs=(tokens, stats_spec), check_vma=not (in_stage and mode == "dropless"),
+        out_specs=(tokens, stats_spec), check_vma=typed,
     )(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
