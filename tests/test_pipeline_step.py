@@ -60,16 +60,16 @@ def in_layer_order(cfg, path, value):
     # uneven splits: 7 layers in 2 x 3 chunks of 2 slots (5 identity slots), 6 layers in 4 chunks of 2 (2)
     (2, 3, 4, 7, {"expert": 2, "tensor": 2}, "capacity"),
     (4, 1, 4, 6, {"expert": 2}, "capacity"),
-    # dropless inside the stages; dropless-overflow: a window of a quarter of the balanced load, so every layer runs
-    # overflow rounds (counted below)
-    (2, 2, 4, 8, {"expert": 2, "tensor": 2}, "dropless"),
+    # dropless inside the stages (untyped dispatch: data 2 checks that the replicas' gradient sum happens once);
+    # dropless-overflow: a window of a quarter of the balanced load, so every layer runs overflow rounds (counted)
+    (2, 2, 2, 8, {"data": 2, "expert": 2}, "dropless"),
     (4, 1, 4, 8, {"expert": 2}, "dropless-overflow"),
     # 3 micro-batches on 2 stages: the MTP passes split 2 + 1 over the stages (a padded pass on stage 1); 12 rows
     (2, 1, 3, 8, {"expert": 2, "tensor": 2}, "capacity"),
     # 4 micro-batches in passes of 2 (mesh.pipeline_in_flight): the gradient accumulated over the two passes
     (2, 2, 4, 8, {"expert": 2, "tensor": 2, "pipeline_in_flight": 2}, "capacity"),
 ], ids=["pp2-data2xexpert2", "pp2xvp2-expert2xtensor2", "pp4-allgather", "pp4xvp2", "pp2xvp3-7-layers",
-        "pp4-6-layers", "pp2xvp2-dropless", "pp4-dropless-overflow", "pp2-3-micro-batches",
+        "pp4-6-layers", "pp2xvp2-data2-dropless", "pp4-dropless-overflow", "pp2-3-micro-batches",
         "pp2xvp2-2-in-flight"])
 def test_pipelined_step_equals_one_device(devices, stages, virtual, micro, n_moe, axes, dispatch):
     rows = 12 if micro == 3 else 8
