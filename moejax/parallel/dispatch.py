@@ -156,8 +156,8 @@ def _weights_for_compute(w_shard, d_model_dim: int, dtype, f32_grad: bool, repli
     boundary. The output is marked varying over the replica axes so no implicit (compute-dtype) reduction is left
     for shard_map to insert. typed=False (a shard_map with check_vma=False, _untyped_dispatch): shard_map's
     transpose itself sums the weights' cotangent over the axes their in_spec does not name (the replicas), on
-    the cotangent as returned here, already cast to the parameter dtype (f32 with f32_grad), so it is not summed
-    here a second time.
+    the cotangent as returned here, in the parameter dtype (f32 for f32 parameters), so it is not summed here a
+    second time.
     """
     w = w_shard.astype(dtype)
     if fsdp > 1:
@@ -183,6 +183,7 @@ def _weights_bwd(d_model_dim, dtype, f32_grad, replicas, fsdp, typed, param_dtyp
 
 
 _weights_for_compute.defvjp(_weights_fwd, _weights_bwd)
+
 
 def _untyped_dispatch(mesh, mode: str, gemm: str) -> bool:
     """Whether the dispatch shard_map runs with check_vma=False (no varying-axis types; every sum explicit):
