@@ -77,8 +77,8 @@ def tokamax_weight_grad_form() -> str:
     return "tiles" if cc is not None and cc >= 10 else "kernel"
 
 
-def _count_at_most(sorted_N, v_M):
-    """[M] int32: how many of sorted_N are <= each v, by compare and count (N is the few local experts; jax's
+def count_at_most(sorted_N, v_M):
+    """[M] int32: how many of sorted_N are <= each v, by compare and count ([M, N] compares: for small N; jax's
     searchsorted mis-types varying axes under the pipeline's vmap, dropless._count_at_most)."""
     return jnp.sum(v_M[:, None] >= sorted_N[None, :], axis=1, dtype=jnp.int32)
 
@@ -102,7 +102,7 @@ def tiled_weight_grad(x_RxD, dy_RxF, group_sizes_E, *, tile: int = WEIGHT_GRAD_T
 
     def body(c, acc_ExDxF):
         slot_S = c * chunk * tile + jnp.arange(chunk * tile, dtype=jnp.int32)
-        group_S = jnp.clip(_count_at_most(padded_start_E, slot_S) - 1, 0, n_groups - 1)
+        group_S = jnp.clip(count_at_most(padded_start_E, slot_S) - 1, 0, n_groups - 1)
         rank_S = slot_S - padded_start_E[group_S]
         src_S = jnp.where(rank_S < sizes_E[group_S], starts_E[group_S] + rank_S, n_rows)  # n_rows: a zero row
         x_CxMxD, dy_CxMxF = (jnp.take(a, src_S, axis=0, mode="fill", fill_value=0).reshape(chunk, tile, -1)
