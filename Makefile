@@ -71,4 +71,9 @@ test-slow: $(VENV)/.installed-test
 bench: $(VENV)/.installed
 	$(VENV)/bin/python benchmarks/train_step.py --config $(CONFIG)
 
-.PHONY: install train test test-newest test-gpu test-fp8 test-pipeline test-slow bench
+# benchmarks/gpu_check.sh (the prepared one-GPU measurement) at toy shapes on one CPU device: the same scripts and
+# code paths, with the newest jax and tokamax so that its autotuning path runs too. CI runs it.
+bench-smoke: $(VENV_GPU)/.installed
+	PYTHON=$(VENV_GPU)/bin/python bash benchmarks/gpu_check.sh --smoke
+
+.PHONY: install train test test-newest test-gpu test-fp8 test-pipeline test-slow bench bench-smoke

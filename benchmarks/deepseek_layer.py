@@ -43,6 +43,7 @@ from moejax.kernels.resolve import apply_kernels
 from moejax.model.accounting import FLOPS_PER_MAC_TRAIN, _attention_macs_per_token
 from moejax.model.transformer import Block
 from moejax.parallel.hlo_kernels import kernel_inventory
+from moejax.training.metrics import measure_matmul_peak
 
 
 def slice_config(scale: float, top_k: int, dtype: str, attention: str = "auto", expert_gemm: str = "auto",
@@ -68,17 +69,6 @@ def slice_flops(cfg, tokens: int, seq: int) -> float:
     m, e = cfg.model, cfg.moe
     moe = 3 * m.d_model * e.d_ff_expert * (e.top_k + e.n_shared_experts)
     return FLOPS_PER_MAC_TRAIN * tokens * (_attention_macs_per_token(m, seq) + moe)
-
-
-def measured_matmul_peak(dtype, n: int = 8192, reps: int = 10) -> float:
-    a = jax.random.normal(jax.random.key(2), (n, n), dtype)  # random data: zeros / ones run faster than real data
-    f = jax.jit(lambda x: x @ x)
-    f(a).block_until_ready()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        out = f(a)
-    out.block_until_ready()
-    return 2 * n**3 * reps / (time.perf_counter() - t0)
 
 
 def main():
@@ -131,7 +121,7 @@ def main():
     jax.block_until_ready(out)
     step_s = (time.perf_counter() - t0) / args.steps
     flops = slice_flops(cfg, args.tokens, args.seq)
-    peak = measured_matmul_peak(dt, args.matmul_n or (1024 if platform == "cpu" else 8192))
+    peak = measure_matmul_peak(dt, args.matmul_n or (1024 if platform == "cpu" else 8192))
     row = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
            "command": shlex.join(["python", *sys.argv]), "jax": jax.__version__, "platform": platform,
            "kernels": {k: cfg.kernels[k] for k in ("attention", "expert_gemm")},

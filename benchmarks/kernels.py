@@ -333,9 +333,22 @@ def results_rows(paths) -> list[str]:
         if "rows" in r and "flops_per_token" in r:  # train_step.py
             head = f"| {r.get('date', '?')} | {r.get('device_kind', '?')} | `{shlex.join(cmd)}` |"
             for t in r["rows"]:
-                what = f"training step, {r['config']}, {t['layout']}, {t['dispatch']}"
+                what = (f"training step, {r['config']}, {t['layout']}, {t['dispatch']}"
+                        + (f", fp8 {t['fp8']}" if t.get("fp8", "none") != "none" else "")
+                        + (", tuned kernel configs" if t.get("kernel_configs") == "tuned" else ""))
                 rows.append(f"{head} {what}: step ms | {t['step_time_s'] * 1e3:.1f} |")
+                rows.append(f"{head} {what}: model TFLOP/s per device | {_num(t['tflops_per_device'])} |")
                 rows.append(f"{head} {what}: MFU ({r['peak_source']}) | {t['mfu']:.1%} |")
+                if "mfu_vs_matmul_peak" in t:
+                    mm = r["matmul_peak_flops_per_device"] / 1e12
+                    rows.append(f"{head} {what}: MFU vs measured matmul peak ({_num(mm)} TFLOP/s) | "
+                                f"{t['mfu_vs_matmul_peak']:.1%} |")
+                if "device_peak_bytes" in t:
+                    rows.append(f"{head} {what}: device peak memory GB | {t['device_peak_bytes'] / 1e9:.1f} |")
+                if "mfu" in t.get("plan", {}):
+                    p = t["plan"]
+                    rows.append(f"{head} {what}: planner's prediction (memory GB, MFU) | "
+                                f"{p['memory_bytes'] / 1e9:.1f}, {p['mfu']:.1%} |")
                 rows.append(f"{head} {what}: dropped assignments | {t.get('dropped_fraction', 0):.1%} |")
             continue
         if "grouped_gemm" in r:

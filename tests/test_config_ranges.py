@@ -98,13 +98,15 @@ def test_a_numeric_field_the_table_does_not_know_is_checked_for_finiteness():
 
 
 def _shipped_configs():
-    """Every config file of configs/ and benchmarks/configs/, with each variant its get_config takes (STAGES)."""
+    """Every config file of configs/ and benchmarks/configs/, with each variant its get_config takes (STAGES,
+    VARIANTS)."""
     for path in sorted((ROOT / "configs").glob("*.py")) + sorted((ROOT / "benchmarks" / "configs").glob("*.py")):
         spec = importlib.util.spec_from_file_location(f"shipped_{path.stem}", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         yield str(path.relative_to(ROOT))
-        yield from (f"{path.relative_to(ROOT)}:{stage}" for stage in getattr(module, "STAGES", ()))
+        variants = (*getattr(module, "STAGES", ()), *getattr(module, "VARIANTS", ()))
+        yield from (f"{path.relative_to(ROOT)}:{variant}" for variant in variants)
 
 
 @pytest.mark.parametrize("name", list(_shipped_configs()))

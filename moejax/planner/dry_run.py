@@ -29,7 +29,7 @@ from moejax.parallel.topology import TOPOLOGIES, get_topology
 from moejax.planner.comm import buffer_bytes_by_link, step_traffic
 from moejax.planner.gpu_targets import compile_only_devices, cross_compiling, get_target
 from moejax.planner.comm import bytes_by_dtype as planned_bytes_by_dtype
-from moejax.planner.layout import Layout
+from moejax.planner.layout import config_layout
 from moejax.planner.memory import estimate_memory
 from moejax.planner.predict import domain_size_for
 from moejax.program.optim import make_optimizer
@@ -37,9 +37,11 @@ from moejax.program.state import abstract_state, model_graphdef, train_state_sha
 from moejax.program.step import jit_train_step
 
 
-def dry_run(cfg, n_devices: int, target: str | None = None, *, keep_hlo: bool = False) -> dict:
+def dry_run(cfg, n_devices: int, target: str | None = None, *, keep_hlo: bool = False, compile: bool = True) -> dict:
     """target None: n emulated CPU devices (XLA:CPU); 'h200' | 'b200' | 'gb300': n compile-only GPUs (XLA:GPU,
-    planner/gpu_targets.py), with the kernels `auto` resolves to on GPUs."""
+    planner/gpu_targets.py), with the kernels `auto` resolves to on GPUs. compile=False stops after lowering: the
+    report then holds only what jax asks XLA for (kernels, the lowered program's custom calls), in seconds where
+    XLA's compile of a large step takes minutes."""
     sizes = validate(cfg, n_devices)
     gpu = get_target(target) if target else None
     if gpu:
@@ -68,6 +70,11 @@ def dry_run(cfg, n_devices: int, target: str | None = None, *, keep_hlo: bool = 
     start = time.perf_counter()
     with compiling, jax.set_mesh(mesh):
         lowered = jit_train_step(cfg, model_graphdef(cfg), tx, mesh, shardings).lower(state, batch)
+        if not compile:
+            return {"devices": n_devices, "mesh": sizes, "platform": platform, "target": gpu.name if gpu else "cpu",
+                    "device_kind": devices[0].device_kind, "kernels": {k: cfg.kernels[k] for k in KERNEL_FIELDS},
+                    "kernels_line": kernels_line, "lower_s": time.perf_counter() - start,
+                    "xla": {"lowered_custom_calls": lowered_custom_calls(lowered.as_text())}}
         compiled = lowered.compile()
     compile_s = time.perf_counter() - start
 
@@ -85,11 +92,7 @@ def dry_run(cfg, n_devices: int, target: str | None = None, *, keep_hlo: bool = 
         hlo_links[link] += c.bytes * c.count
         hlo_kinds[c.kind] = hlo_kinds.get(c.kind, 0) + c.bytes * c.count
 
-    # One accumulation pass's rows per device: what the step compiled above holds at a time.
-    batch_shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
-    layout = Layout(**sizes, remat=cfg.model.remat, dispatch=cfg.moe.dispatch, virtual=int(cfg.mesh.virtual_stages),
-                    in_flight=int(cfg.mesh.get("pipeline_in_flight", 0)),
-                    micro_batch=cfg.train.global_batch // (batch_shards * int(cfg.train.micro_batches)))
+    layout = config_layout(cfg, sizes)  # one accumulation pass's rows per device: what the step holds at a time
     predicted_mem = estimate_memory(cfg, layout, platform=platform)
     traffic = step_traffic(cfg, layout)
     pred_kinds: dict[str, int] = {}

@@ -62,6 +62,15 @@ class Layout:
         return asdict(self)
 
 
+def config_layout(cfg, sizes: dict[str, int]) -> Layout:
+    """The layout a config runs at on a mesh of these axis sizes (validate's): one accumulation pass's rows per
+    device as its micro-batch."""
+    batch_shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+    return Layout(**sizes, remat=cfg.model.remat, dispatch=cfg.moe.dispatch, virtual=int(cfg.mesh.virtual_stages),
+                  in_flight=int(cfg.mesh.get("pipeline_in_flight", 0)),
+                  micro_batch=cfg.train.global_batch // (batch_shards * int(cfg.train.micro_batches)))
+
+
 def in_domain_factors(sizes: dict[str, int], domain_size: int) -> dict[str, int]:
     """How many of each axis's positions lie inside one NVLink domain: stages take whole domains (or, with more
     stages than domains, an equal piece of each); inside a stage's piece expert and tensor entirely, then fsdp,

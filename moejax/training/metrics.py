@@ -29,6 +29,20 @@ def measure_cpu_peak_flops(size: int = 1024, seconds: float = 0.5) -> float:
             return 2 * size**3 * n / elapsed
 
 
+def measure_matmul_peak(dtype, n: int = 8192, reps: int = 10) -> float:
+    """FLOP/s of one jitted [n, n] @ [n, n] matmul in `dtype` on the default device: the rate this device
+    reaches on a large GEMM in this process, the achievable ceiling MFU is also quoted against. Random data:
+    zeros or ones run faster than real data on GPUs."""
+    a = jax.random.normal(jax.random.key(2), (n, n), dtype)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        out = f(a)
+    out.block_until_ready()
+    return 2 * n**3 * reps / (time.perf_counter() - t0)
+
+
 def peak_flops_per_device(peak_tflops: float = 0.0) -> tuple[float, str]:
     """(peak FLOP/s of one device, where the number came from): `hardware.peak_tflops` when set, else the
     GPU's dense bf16 peak from its topology (parallel/topology.py), else measured on CPU."""
