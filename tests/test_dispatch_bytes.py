@@ -8,7 +8,8 @@ from flax import nnx
 from moejax.config import default_config
 from moejax.model.moe import MoE
 from moejax.parallel.dispatch import capacity_per_expert
-from moejax.parallel.hlo_collectives import collective_bytes, collectives
+from moejax.parallel.hlo_collectives import collective_bytes, collectives, overlap
+from moejax.planner.dry_run import expert_exchange_overlap
 from moejax.parallel.mesh import batch_sharding, make_mesh
 from moejax.program.state import state_shardings
 
@@ -56,6 +57,48 @@ def test_hlo_parser_reads_tuples_groups_and_async_pairs():
     ])
     assert collective_bytes(hlo) == {"all-to-all": 2 * 16 * 32 * 4, "all-gather": 64 * 32 * 2,
                                      "reduce-scatter": 4 * 16 * 32 * 4}
+
+
+SCHEDULED = """HloModule step, is_scheduled=true, num_partitions=4
+
+%exchange (p0: bf16[8,4], p1: bf16[8,4]) -> bf16[8,4] {
+  %p0 = bf16[8,4]{1,0} parameter(0)
+  %p1 = bf16[8,4]{1,0} parameter(1)
+  ROOT %ra = bf16[8,4]{1,0} ragged-all-to-all(%p0, %p1), replica_groups={{0,1,2,3}}
+}
+
+%sync_exchange (q0: bf16[8,4]) -> bf16[8,4] {
+  %q0 = bf16[8,4]{1,0} parameter(0)
+  ROOT %a2a = bf16[8,4]{1,0} all-to-all(%q0), replica_groups={{0,1,2,3}}
+}
+
+ENTRY %main (x: bf16[8,4]) -> bf16[8,4] {
+  %x = bf16[8,4]{1,0} parameter(0)
+  %s = ((bf16[8,4]{1,0}, bf16[8,4]{1,0}), bf16[8,4]{1,0}) async-start(%x, %x), calls=%exchange, backend_config={"collective_backend_config":{"is_sync":false}}
+  %f = bf16[8,4]{1,0} fusion(%x), kind=kLoop, calls=%fused
+  %d = bf16[8,4]{1,0} async-done(%s)
+  %s2 = ((bf16[8,4]{1,0}), bf16[8,4]{1,0}) async-start(%d), calls=%sync_exchange, backend_config={"collective_backend_config":{"is_sync":true}}
+  %f2 = bf16[8,4]{1,0} fusion(%d), kind=kLoop, calls=%fused
+  %d2 = bf16[8,4]{1,0} async-done(%s2)
+  %g = (bf16[8,4]{1,0}, bf16[32,4]{1,0}) all-gather-start(%d2), replica_groups={{0,1,2,3}}, dimensions={0}
+  %b = bf16[8,4]{1,0} bitcast(%d2)
+  %gd = bf16[32,4]{1,0} all-gather-done(%g)
+  %r = f32[8,4]{1,0} all-reduce(%f2), replica_groups={{0,1,2,3}}, to_apply=%sum
+  ROOT %out = bf16[8,4]{1,0} fusion(%gd, %r), kind=kLoop, calls=%fused
+}
+"""
+
+
+def test_overlap_counts_async_collectives_with_compute_scheduled_under_them():
+    """An exchange whose start and done have a fusion between them is overlapped; one marked is_sync (XLA runs
+    it on the compute stream), a gather with only a bitcast under it and a plain all-reduce are not."""
+    colls = {c.kind: c for c in collectives(SCHEDULED)}
+    assert [colls[k].overlapped for k in ("ragged-all-to-all", "all-to-all", "all-gather", "all-reduce")] == \
+        [True, False, False, False]
+    by_kind = overlap(list(colls.values()))
+    assert by_kind["ragged-all-to-all"] == {"bytes": 64, "overlapped_bytes": 64, "share": 1.0}
+    assert by_kind["all-gather"]["share"] == 0.0 and by_kind["all-gather"]["bytes"] == 32 * 4 * 2
+    assert expert_exchange_overlap(list(colls.values())) == 0.5  # 64 of the 128 exchanged bytes
 
 
 def dropless_moe_program(devices, platform):

@@ -41,6 +41,13 @@ _MESH_GROUPS = re.compile(
     r"(?:,\s*device_ids=\(\[(?P<idims>[0-9,]+)\](?:T\((?P<iperm>[0-9,]+)\))?\))?"
     r"\s*\{(?P<sel>[^}]*)\}")
 _PAIRS = re.compile(r"source_target_pairs=\{(?P<body>[^}]*)\}")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=")
+_ASYNC_CALL = re.compile(r"\basync-start\(.*?calls=%(?P<callee>[\w.\-]+)")
+_DONE = re.compile(r"\b(?:async|[a-z\-]+)-done\(%(?P<start>[\w.\-]+)")
+# Work the GPU runs while a collective is in flight: fusions, GEMM/kernel custom calls, dots and the loops or
+# calls that hold them (an async start or done is not work, nor a bitcast, tuple or parameter).
+_COMPUTE = re.compile(r"\s(?:fusion|custom-call|dot|convolution|while|call|conditional)\(")
+_SYNC = '"is_sync":true'
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,7 @@ class Collective:
     count: int  # executions per program run: the product of the enclosing loops' trip counts
     op_name: str  # jax's name for the op that produced it (metadata), for reports
     by_dtype: tuple[tuple[str, int], ...] = ()  # `bytes` split by HLO element type, e.g. (("f32", n),)
+    overlapped: bool = False  # asynchronous, with compute scheduled between its start and its done (`overlap`)
 
 
 def _bytes_by_dtype(shapes: str) -> dict[str, int]:
@@ -174,6 +182,37 @@ def _multiplicities(edges, entry, data_dependent_trips: int) -> dict[str, int]:
     return times
 
 
+def _overlap_windows(lines, owner) -> tuple[dict[int, bool], dict[str, bool]]:
+    """For a scheduled module (`is_scheduled=true`: each computation's instructions in execution order): whether
+    compute runs between an asynchronous collective's start and its done. Returns ({line index of an X-start
+    collective: overlapped}, {async computation called by an async-start: overlapped}). A start marked
+    `"is_sync":true` runs synchronously whatever lies between: not overlapped."""
+    by_comp: dict[str, list[int]] = defaultdict(list)
+    for i, comp in enumerate(owner):
+        if comp is not None and _INSTR.match(lines[i]):
+            by_comp[comp].append(i)
+    starts, calls = {}, {}
+    for comp, idx in by_comp.items():
+        done_at = {}
+        for pos, i in enumerate(idx):
+            if d := _DONE.search(lines[i]):
+                done_at[d["start"]] = pos
+        for pos, i in enumerate(idx):
+            line = lines[i]
+            call = _ASYNC_CALL.search(line)
+            if not call and not re.search(r"\b[a-z\-]+-start\(", line):
+                continue
+            name = _INSTR.match(line)["name"]
+            end = done_at.get(name)
+            overlapped = (end is not None and _SYNC not in line
+                          and any(_COMPUTE.search(lines[j]) for j in idx[pos + 1:end]))
+            if call:
+                calls[call["callee"]] = overlapped
+            else:
+                starts[i] = overlapped
+    return starts, calls
+
+
 def collectives(hlo_text: str) -> list[Collective]:
     """Every collective of the program with its groups and per-run execution count. Text without an ENTRY
     computation (a few instructions, as a test or a tool may pass) counts each instruction once. A while loop
@@ -187,8 +226,9 @@ def collectives(hlo_text: str) -> list[Collective]:
         owner, times, reached = ["fragment"] * len(lines), {"fragment": 1}, {"fragment": 1}
     else:
         times, reached = _multiplicities(edges, entry, 0), _multiplicities(edges, entry, 1)
+    started, async_calls = _overlap_windows(lines, owner)
     out = []
-    for line, comp in zip(lines, owner):
+    for i, (line, comp) in enumerate(zip(lines, owner)):
         m = _OP.search(line)
         if not m or "-done(" in line or comp is None or reached.get(comp, 0) == 0:
             continue
@@ -199,8 +239,23 @@ def collectives(hlo_text: str) -> list[Collective]:
         if m["kind"] == "reduce-scatter":
             by_dtype = {t: n * len(groups[0]) for t, n in by_dtype.items()}
         name = n["name"] if (n := _OP_NAME.search(line)) else ""
+        overlapped = started.get(i, False) or (async_calls.get(comp, False) and _SYNC not in line)
         out.append(Collective(m["kind"], sum(by_dtype.values()), groups, times.get(comp, 0), name,
-                              tuple(sorted(by_dtype.items()))))
+                              tuple(sorted(by_dtype.items())), overlapped))
+    return out
+
+
+def overlap(colls: list[Collective]) -> dict[str, dict[str, float]]:
+    """{kind: {"bytes", "overlapped_bytes", "share"}} over one run of the program: the bytes each kind of
+    collective moves and the part of them moved by asynchronous collectives with compute scheduled between start
+    and done (in a scheduled module; what the GPU can hide behind work). XLA:CPU runs collectives synchronously."""
+    out: dict[str, dict[str, float]] = {}
+    for c in colls:
+        o = out.setdefault(c.kind, {"bytes": 0, "overlapped_bytes": 0})
+        o["bytes"] += c.bytes * c.count
+        o["overlapped_bytes"] += c.bytes * c.count * c.overlapped
+    for o in out.values():
+        o["share"] = o["overlapped_bytes"] / o["bytes"] if o["bytes"] else 0.0
     return out
 
 

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from moejax.config import validate
 from moejax.model.accounting import flops_per_token
 from moejax.kernels.resolve import KERNEL_FIELDS, apply_kernels, devices_compute_capability, devices_platform
-from moejax.parallel.hlo_collectives import bytes_by_dtype, collectives
+from moejax.parallel.hlo_collectives import bytes_by_dtype, collectives, overlap
 from moejax.parallel.hlo_kernels import kernel_inventory, lowered_custom_calls
 from moejax.parallel.mesh import batch_sharding, make_mesh
 from moejax.parallel.topology import TOPOLOGIES, get_topology
@@ -116,7 +116,8 @@ def dry_run(cfg, n_devices: int, target: str | None = None, *, keep_hlo: bool = 
         "device_kind": devices[0].device_kind, "notes": notes,
         "kernels": {k: cfg.kernels[k] for k in KERNEL_FIELDS}, "kernels_line": kernels_line,
         "collectives": [{"kind": c.kind, "bytes": c.bytes, "count": c.count, "dtypes": dict(c.by_dtype),
-                         "group_size": len(c.groups[0]), "op": c.op_name[-120:]} for c in colls],
+                         "group_size": len(c.groups[0]), "overlapped": c.overlapped, "op": c.op_name[-120:]}
+                        for c in colls],
         "xla": {"memory_bytes": xla_bytes, "argument_bytes": mem.argument_size_in_bytes,
                 "output_bytes": mem.output_size_in_bytes, "alias_bytes": mem.alias_size_in_bytes,
                 "temp_bytes": mem.temp_size_in_bytes, "flops": float(cost.get("flops", 0.0)),
@@ -124,7 +125,9 @@ def dry_run(cfg, n_devices: int, target: str | None = None, *, keep_hlo: bool = 
                 # what jax asked XLA for, before XLA's passes (e.g. block-scaled FP8 dots it may expand)
                 "lowered_custom_calls": lowered_custom_calls(lowered.as_text()),
                 "collective_bytes": hlo_kinds, "collective_bytes_by_dtype": xla_dtypes,
-                "collective_bytes_by_link": hlo_links},
+                "collective_bytes_by_link": hlo_links,
+                # per kind: the bytes moved by asynchronous collectives with compute scheduled under them
+                "overlap": overlap(colls), "expert_exchange_overlap": expert_exchange_overlap(colls)},
         "plan": {"memory_bytes": predicted_mem.total, "memory": predicted_mem.to_dict(),
                  "model_flops_per_device": flops_per_token(cfg) * tokens / n_devices,
                  "collective_bytes": pred_kinds, "collective_bytes_by_dtype": plan_dtypes,
@@ -134,6 +137,23 @@ def dry_run(cfg, n_devices: int, target: str | None = None, *, keep_hlo: bool = 
 
 def _dtypes(by_dtype: dict[str, int]) -> str:
     return "+".join(sorted((t for t, n in by_dtype.items() if n), key=lambda t: -by_dtype[t])) or "-"
+
+
+EXPERT_EXCHANGES = ("all-to-all", "ragged-all-to-all")  # the MoE dispatch and combine (capacity / dropless)
+
+
+def expert_exchange_overlap(colls) -> float | None:
+    """The share of the expert exchange's bytes (all-to-all and ragged all-to-all) moved with compute scheduled
+    under them; None when the program has no exchange."""
+    by_kind = overlap(colls)
+    total = sum(by_kind[k]["bytes"] for k in EXPERT_EXCHANGES if k in by_kind)
+    return sum(by_kind[k]["overlapped_bytes"] for k in EXPERT_EXCHANGES if k in by_kind) / total if total else None
+
+
+def _overlap_line(x: dict) -> str:
+    parts = [] if x.get("expert_exchange_overlap") is None else [f"expert exchange {x['expert_exchange_overlap']:.0%}"]
+    parts += [f"{kind} {o['share']:.0%}" for kind, o in sorted(x["overlap"].items()) if o["bytes"]]
+    return "  collective bytes with compute scheduled under them: " + ", ".join(parts)
 
 
 def format_report(r: dict) -> str:
@@ -160,6 +180,8 @@ def format_report(r: dict) -> str:
     for link in ("nvlink", "nic"):
         lines.append(f"  {'on ' + link + ' (MB/step)':28s} {x['collective_bytes_by_link'][link] / 1e6:12.2f} "
                      f"{p['collective_bytes_by_link'][link] / 1e6:12.2f}")
+    if r.get("platform") == "gpu" and x.get("overlap"):  # XLA:CPU runs every collective synchronously
+        lines.append(_overlap_line(x))
     if x["flops"]:
         lines.append(f"  {'FLOPs (TFLOP/step)':28s} {x['flops'] / 1e12:12.4f} {p['model_flops_per_device'] / 1e12:12.4f}"
                      "   (XLA counts a scan body once; the planner column is model FLOPs for all layers)")
@@ -170,9 +192,11 @@ def format_report(r: dict) -> str:
         lines += [f"  custom calls (as in the text): {calls}", f"  fusions: {fusions}",
                   f"  dot operand types (lhs x rhs): {dots}"]
     if r.get("collectives"):
-        lines.append(f"  {'collective':20s} {'dtype':>10s} {'group':>6s} {'MB each':>10s} {'x/step':>7s}  op")
+        lines.append(f"  {'collective':20s} {'dtype':>10s} {'group':>6s} {'MB each':>10s} {'x/step':>7s} "
+                     f"{'overlap':>7s}  op")
         for c in sorted(r["collectives"], key=lambda c: -c["bytes"] * c["count"]):
             lines.append(f"  {c['kind']:20s} {'+'.join(c['dtypes']):>10s} {c['group_size']:6d} "
-                         f"{c['bytes'] / 1e6:10.3f} {c['count']:7d}  {c['op'][-60:]}")
+                         f"{c['bytes'] / 1e6:10.3f} {c['count']:7d} {'yes' if c.get('overlapped') else 'no':>7s}"
+                         f"  {c['op'][-60:]}")
     lines += [f"  note: {n}" for n in r.get("notes", ())]
     return "\n".join(lines)
