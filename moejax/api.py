@@ -32,6 +32,8 @@ from moejax.config import MESH_AXES, REMAT_POLICIES, ConfigError, validate
 from moejax.config.ranges import check_choice, check_ranges, integer, number
 from moejax.errors import InputError
 from moejax.kernels.resolve import apply_kernels, devices_compute_capability, devices_platform
+from moejax.parallel.xla_gpu_flags import add_overlap_flags
+from moejax.parallel.xla_gpu_flags import describe as describe_xla_flags
 
 
 # ---------------------------------------------------------------------------------------------- configs
@@ -134,6 +136,7 @@ class PreparedRun:
     sources: list
     emulated_cpu_devices: int  # > 0: no accelerator was found and this many CPU devices emulate the mesh
     kernels: str  # the kernels `auto` resolved to, as printed: "kernels on gpu: attention=tokamax_mosaic (auto), ..."
+    xla_flags: str = ""  # on GPUs: the XLA:GPU overlap flags in effect, as printed (parallel/xla_gpu_flags.py)
 
 
 def prepare_training(cfg, workdir, *, coordinator: str | None = None, num_processes: int | None = None,
@@ -155,6 +158,7 @@ def prepare_training(cfg, workdir, *, coordinator: str | None = None, num_proces
     if not xla_bridge.backends_are_initialized() and not _has_device_count_flag():
         emulated = mesh_device_count(cfg.mesh)
         _request_cpu_devices(emulated)
+    overlap_flags = add_overlap_flags() if not xla_bridge.backends_are_initialized() else None
     distributed.initialize(coordinator, num_processes, process_id, init_timeout)
     if jax.devices()[0].platform != "cpu":
         emulated = 0
@@ -184,7 +188,9 @@ def prepare_training(cfg, workdir, *, coordinator: str | None = None, num_proces
         multihost_utils.sync_global_devices("moejax: workdir inspected")
     if jax.process_index() == 0:
         workdir.mkdir(parents=True, exist_ok=True)  # config.json is written once the checkpoint restored
-    return PreparedRun(cfg, workdir, mesh_sizes, sources, emulated, kernels)
+    on_gpu = devices_platform(jax.devices()) == "gpu"
+    return PreparedRun(cfg, workdir, mesh_sizes, sources, emulated, kernels,
+                       describe_xla_flags(overlap_flags) if on_gpu and overlap_flags else "")
 
 
 def run_training(run: PreparedRun) -> dict:
@@ -247,11 +253,15 @@ def dry_run(cfg, n_devices: int | None = None, target: str | None = None) -> dic
         check_gpu_compile_installed(gpu)
         gpu.topology_string(n)  # device count vs hosts and NVLink domains, before jax starts
         prepare_process_for_gpu_compile()
+        overlap_flags = add_overlap_flags()  # what a GPU run of this config compiles with
     else:
         emulate_cpu_devices(n)
     from moejax.planner.dry_run import dry_run as compile_and_compare
 
-    return compile_and_compare(cfg, n, target)
+    report = compile_and_compare(cfg, n, target)
+    if target:
+        report["xla_gpu_flags"] = overlap_flags
+    return report
 
 
 def _one_or_more(name: str, value, *, may_be_empty: bool = False) -> list[tuple[str, object]]:

@@ -6,6 +6,10 @@ from cpu_env import xla_flags  # noqa: E402  (tests/ is on sys.path: pytest's ro
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + xla_flags(8)).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if os.environ.get("MOEJAX_GPU_COMPILE") == "1":  # the GPU compiles see the flags a GPU run compiles with
+    from moejax.parallel.xla_gpu_flags import add_overlap_flags  # noqa: E402  (jax-free)
+
+    add_overlap_flags()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -93,6 +93,8 @@ def main(argv=None) -> int:
         print(f"no accelerator found: {run.emulated_cpu_devices} CPU devices emulate the mesh (set XLA_FLAGS="
               f"--xla_force_host_platform_device_count=N to choose)", flush=True)
     print(run.kernels, flush=True)
+    if run.xla_flags:
+        print(run.xla_flags, flush=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     for noisy in ("absl", "jax", "orbax", "grain"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -24,6 +24,7 @@ from moejax.model.accounting import flops_per_token
 from moejax.kernels.resolve import KERNEL_FIELDS, apply_kernels, devices_compute_capability, devices_platform
 from moejax.parallel.hlo_collectives import bytes_by_dtype, collectives, overlap
 from moejax.parallel.hlo_kernels import kernel_inventory, lowered_custom_calls
+from moejax.parallel.xla_gpu_flags import describe as describe_xla_flags
 from moejax.parallel.mesh import batch_sharding, make_mesh
 from moejax.parallel.topology import TOPOLOGIES, get_topology
 from moejax.planner.comm import buffer_bytes_by_link, step_traffic
@@ -165,6 +166,7 @@ def format_report(r: dict) -> str:
         f"dry run: {r['layout']} on {where} (NVLink domain {r['domain_size']}), "
         f"compiled in {r['compile_s']:.1f}s",
         f"  {r.get('kernels_line', '')}",
+        *([f"  {describe_xla_flags(r['xla_gpu_flags'])}"] if r.get("xla_gpu_flags") else []),
         "  per device:",
         f"  {'':28s} {'XLA':>12s} {'planner':>12s}",
         f"  {'memory (GiB)':28s} {x['memory_bytes'] / gib:12.3f} {p['memory_bytes'] / gib:12.3f}"
