@@ -18,26 +18,20 @@ benchmarks/train_step.py prints the plan for the config it runs. Routing 8 of 16
 expert more rows per step than 8 of 256 at EP32 (16,384 x 8 / 16 = 8,192 rows against the EP32 GPU's 1,024 per
 expert per 4,096 tokens): the grouped GEMMs here are the better-shaped end of what a 671B rank runs."""
 
-import importlib.util
 from pathlib import Path
+
+from moejax.api import load_config
 
 # variant -> (n_layers, first_k_dense, n_routed_experts, global_batch, seq_len)
 VARIANTS = {"h200": (4, 1, 16, 4, 4096), "h100": (1, 0, 16, 2, 4096), "smoke": (3, 1, 8, 8, 64)}
 FULL_MODEL = Path(__file__).resolve().parents[2] / "configs" / "deepseek_v3_671b.py"
 
 
-def _deepseek_v3_671b():
-    spec = importlib.util.spec_from_file_location("deepseek_v3_671b", FULL_MODEL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
-
-
 def get_config(variant: str = "h200"):
     if variant not in VARIANTS:
         raise ValueError(f"deepseek_v3_1gpu: unknown variant {variant!r}; one of {', '.join(VARIANTS)}")
     n_layers, first_k_dense, n_experts, batch, seq = VARIANTS[variant]
-    c = _deepseek_v3_671b()  # every width, the router, MTP, dtypes, remat and optimizer as published
+    c = load_config(FULL_MODEL)  # every width, the router, MTP, dtypes, remat and optimizer as published
     m, e = c.model, c.moe
     m.n_layers, m.first_k_dense = n_layers, first_k_dense
     e.n_routed_experts = n_experts
