@@ -246,7 +246,8 @@ run proxy "$T_PROXY" "$DEST/proxy.json" "$PY" benchmarks/train_step.py "${STEP_A
 # 2. the same with rowwise FP8 GEMMs (one FP8 GEMM per product on Hopper), capacity dispatch, under the tuned
 #    configs when there are
 LOAD=(--autotune none)
-compgen -G "$TUNED/*.json" >/dev/null && [[ "${AUTOTUNE[1]}" == tune ]] && LOAD=("${AUTOTUNE[@]}")
+kind="$("$PY" -c 'import jax; print(jax.devices()[0].device_kind.lower().replace(" ", "_"))' 2>/dev/null)"
+[[ -s "$TUNED/$kind.json" && "${AUTOTUNE[1]}" == tune ]] && LOAD=(--autotune load --autotune_cache "$TUNED/$kind.json")
 run proxy_fp8 "$T_PROXY_FP8" "$DEST/proxy_fp8.json" "$PY" benchmarks/train_step.py "${STEP_ARGS[@]}" \
     --dispatches capacity --fp8 rowwise "${LOAD[@]}" --json "$DEST/proxy_fp8.json"
 # 3. the full-width layer slice with the auto kernels (tokamax_mosaic attention, tokamax dropless grouped GEMM)
