@@ -344,7 +344,8 @@ def results_rows(paths) -> list[str]:
                     rows.append(f"{head} {what}: MFU vs measured matmul peak ({_num(mm)} TFLOP/s) | "
                                 f"{t['mfu_vs_matmul_peak']:.1%} |")
                 if "device_peak_bytes" in t:
-                    rows.append(f"{head} {what}: device peak memory GB | {t['device_peak_bytes'] / 1e9:.1f} |")
+                    rows.append(f"{head} {what}: device peak memory GB (the process's so far) | "
+                                f"{t['device_peak_bytes'] / 1e9:.1f} |")
                 if "mfu" in t.get("plan", {}):
                     p = t["plan"]
                     rows.append(f"{head} {what}: planner's prediction (memory GB, MFU) | "

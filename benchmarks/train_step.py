@@ -117,7 +117,9 @@ class Program:
                **throughput(step_s, tokens_per_step, flops_per_token(cfg), jax.device_count(), peak)}
         if matmul_peak:
             row["mfu_vs_matmul_peak"] = row["tflops_per_device"] * 1e12 / matmul_peak
-        stats = jax.devices()[0].memory_stats() or {}  # GPUs report it; CPUs give None
+        # GPUs report it, CPUs give None. The allocator's peak is the process's so far (it cannot be reset), so a
+        # later program's row shows the largest of the programs run before it too.
+        stats = jax.devices()[0].memory_stats() or {}
         if "peak_bytes_in_use" in stats:
             row["device_peak_bytes"] = int(stats["peak_bytes_in_use"])
         return row
