@@ -80,7 +80,34 @@ def test_apply_kernels_writes_what_runs_and_says_so():
     c = mla_config()
     line = resolve.apply_kernels(c, "cpu")
     assert (c.kernels.attention, c.kernels.expert_gemm, c.kernels.loss) == ("xla", "einsum", "chunked")
-    assert line == "kernels on cpu: attention=xla (auto), expert_gemm=einsum (auto), loss=chunked (auto)"
+    assert line == ("kernels on cpu: attention=xla (auto), expert_gemm=einsum (auto), loss=chunked (auto), "
+                    "exchange_chunks=1 (auto)")
+    assert c.moe.exchange_chunks == 1  # resolved into the config: config.json says what ran
+
+
+@pytest.mark.parametrize("dispatch,expert,platform,asked,chunks", [
+    ("dropless", 4, "gpu", 0, resolve.GPU_EXCHANGE_CHUNKS), ("capacity", 8, "gpu", 0, resolve.GPU_EXCHANGE_CHUNKS),
+    ("dropless", 1, "gpu", 0, 1),  # no exchange to hide
+    ("allgather", 4, "gpu", 0, 1),  # no all-to-all
+    ("dropless", 4, "cpu", 0, 1),  # XLA:CPU runs collectives synchronously: nothing to hide behind
+    ("dropless", 4, "cpu", 3, 3), ("capacity", 1, "gpu", 4, 4),  # a set value is what runs
+])
+def test_exchange_chunks_auto_from_the_devices(dispatch, expert, platform, asked, chunks, monkeypatch):
+    monkeypatch.setattr(resolve, "tokamax_available", lambda: True)
+    c = mla_config()
+    c.moe.dispatch, c.mesh.expert, c.moe.exchange_chunks = dispatch, expert, asked
+    line = resolve.apply_kernels(c, platform)
+    assert c.moe.exchange_chunks == chunks
+    assert line.endswith(f"exchange_chunks={chunks}" + (" (auto)" if not asked else ""))
+
+
+def test_exchange_chunks_with_allgather_is_a_config_error():
+    from moejax.config import validate
+
+    c = default_config()
+    c.moe.dispatch, c.moe.exchange_chunks = "allgather", 2
+    with pytest.raises(ConfigError, match="allgather has no all-to-all to split"):
+        validate(c, 8)
 
 
 def test_document_start_is_the_segment_mask_under_causality():

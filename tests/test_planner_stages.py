@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from moejax.model.accounting import mtp_blocks_macs_fraction, pipelined_macs_fraction
+from moejax.kernels.resolve import GPU_EXCHANGE_CHUNKS
 from moejax.parallel.pipeline import schedule_ticks
 from moejax.parallel.topology import get_topology
 from moejax.planner.comm import step_traffic, wire_bytes
@@ -156,3 +157,27 @@ def test_pipeline_trades_bubble_for_the_fsdp_gathers_it_saves():
     assert piped.memory.params < 0.6 * flat.memory.params
     assert piped.bubble == pytest.approx(1 / 32)  # M = 4096 / 128 = 32 micro-batches of one sequence
     assert piped.wire_bytes["nic"] > 0 and 1 + 0.8 * piped.bubble < piped.stage_compute < 1 + piped.bubble
+
+
+def test_exchange_slices_hide_the_expert_exchange_under_the_expert_gemms():
+    from moejax.planner.predict import exposed_exchange_s
+
+    # One slice: only the shared experts cover it; C slices: 1/C waits on the shared experts, the rest on the
+    # routed GEMMs, whatever they cannot cover shows.
+    assert exposed_exchange_s(4.0, 10.0, 1.0, 1) == pytest.approx(3.0)
+    assert exposed_exchange_s(4.0, 10.0, 1.0, 2) == pytest.approx(1.0)
+    assert exposed_exchange_s(4.0, 10.0, 1.0, 4) == pytest.approx(0.0)
+    assert exposed_exchange_s(40.0, 10.0, 1.0, 4) == pytest.approx(9.0 + 20.0)  # link-bound: the excess shows
+    # The record's model and machine: the chunked default hides most of the exchange, and the step says so.
+    cfg = runpy.run_path(str(ROOT / "configs" / "deepseek_v3_671b.py"))["get_config"]()
+    topo, layout = get_topology("gb300-nvl72"), Layout(8, 1, 32, 1, "full", 4, "dropless")
+    by_chunks = {}
+    for chunks in (1, 2, 4):
+        cfg.moe.exchange_chunks = chunks
+        by_chunks[chunks] = predict(cfg, topo, layout, efficiency=0.5, domain_size=64)
+    one, two, four = by_chunks[1], by_chunks[2], by_chunks[4]
+    assert one.exchange_s == two.exchange_s > 1.0  # the same bytes
+    assert one.exposed_exchange_s > 2 * two.exposed_exchange_s > 0 and four.exposed_exchange_s < two.exposed_exchange_s
+    assert one.step_s - two.step_s == pytest.approx(one.exposed_exchange_s - two.exposed_exchange_s)
+    cfg.moe.exchange_chunks = 0  # auto: what a GPU run resolves at expert 32
+    assert predict(cfg, topo, layout, efficiency=0.5, domain_size=64).exchange_chunks == GPU_EXCHANGE_CHUNKS

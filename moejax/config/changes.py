@@ -56,6 +56,7 @@ MAY_CHANGE: dict[str, tuple[frozenset[Continuation], str]] = {
     "moe.drop_policy": (_BOTH, "which tokens capacity dispatch drops"),
     "moe.capacity_factor": (_BOTH, "capacity dispatch buffer size"),
     "moe.dropless_window": (_BOTH, "dropless receive window size"),
+    "moe.exchange_chunks": (_BOTH, "how the expert exchange is split; the same rows meet the same experts"),
     "moe.seq_aux_loss_coef": (_BOTH, "a loss coefficient"),
     "moe.batch_aux_loss_coef": (_BOTH, "a loss coefficient"),
     "moe.z_loss_coef": (_BOTH, "a loss coefficient"),

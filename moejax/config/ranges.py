@@ -107,6 +107,7 @@ RANGES: dict[str, Rule] = {
     "moe.routed_scaling": POSITIVE,
     "moe.capacity_factor": number(note="<= 0: worst case, no token is ever dropped"),
     "moe.dropless_window": number(0, above=True, note="rows received per dropless round, x the balanced load"),
+    "moe.exchange_chunks": integer(0, note="0: auto"),
     "moe.seq_aux_loss_coef": NON_NEGATIVE,
     "moe.batch_aux_loss_coef": NON_NEGATIVE,
     "moe.z_loss_coef": NON_NEGATIVE,

@@ -81,6 +81,9 @@ def validate(cfg, n_devices: int) -> dict[str, int]:
     check_choice("moe.score_func", e.score_func, SCORE_FUNCS)
     check_choice("moe.dispatch", e.dispatch, DISPATCH_MODES)
     check_choice("moe.drop_policy", e.drop_policy, DROP_POLICIES)
+    if e.get("exchange_chunks", 0) > 1 and e.dispatch == "allgather":
+        raise ConfigError(f"moe.exchange_chunks={e.exchange_chunks} splits the all-to-all of capacity and dropless "
+                          "dispatch; allgather has no all-to-all to split: use 0 (auto) or 1")
     check_choice("model.grad_reduce_dtype", m.grad_reduce_dtype, DTYPES)
     check_choice("model.fp8", m.fp8, FP8_FORMATS)
     k = cfg.kernels

@@ -136,6 +136,22 @@ def _expert_gemm(cfg, platform: str, compute_capability: float | None = None) ->
     return kernel
 
 
+# moe.exchange_chunks=0 (auto) on GPUs with expert parallelism: two slices per exchange. XLA:GPU then schedules
+# one slice's all-to-all under the other's expert GEMMs (docs/parallelism.md, "Collectives under compute").
+GPU_EXCHANGE_CHUNKS = 2
+
+
+def exchange_chunks(cfg, platform: str | None = None) -> int:
+    """moe.exchange_chunks resolved: as given when set; auto (0): GPU_EXCHANGE_CHUNKS on GPUs when the mesh has an
+    `expert` axis and the dispatch exchanges rows all-to-all (capacity, dropless), else 1. On CPU every collective
+    runs synchronously (nothing to hide behind), so one exchange."""
+    asked = int(cfg.moe.get("exchange_chunks", 0))
+    if asked:
+        return asked
+    split = _platform(platform) == "gpu" and int(cfg.mesh.expert) > 1 and cfg.moe.dispatch != "allgather"
+    return GPU_EXCHANGE_CHUNKS if split else 1
+
+
 def devices_compute_capability(devices) -> float | None:
     """The NVIDIA compute capability of a mesh's GPUs (e.g. 9.0 H100/H200, 10.0 B200, 10.3 GB300); None elsewhere."""
     found = {getattr(d, "compute_capability", None) for d in devices}
@@ -180,12 +196,16 @@ def apply_kernels(cfg, platform: str, compute_capability: float | None = None) -
     resolved = resolve_kernels(cfg, platform, compute_capability)
     for k, v in resolved.items():
         cfg.kernels[k] = v
+    asked["exchange_chunks"] = "auto" if not cfg.moe.get("exchange_chunks", 0) else None
+    cfg.moe.exchange_chunks = exchange_chunks(cfg, platform)
     return describe(cfg, platform, asked)
 
 
 def describe(cfg, platform: str, asked: dict | None = None) -> str:
     parts = [f"{k}={cfg.kernels[k]}" + (" (auto)" if asked and asked[k] == "auto" else "")
              for k in KERNEL_FIELDS]
+    parts.append(f"exchange_chunks={exchange_chunks(cfg, platform)}"
+                 + (" (auto)" if asked and asked.get("exchange_chunks") == "auto" else ""))
     fmt = cfg.model.get("fp8", "none")
     return f"kernels on {_platform(platform)}: " + ", ".join(parts) + (f", gemms=fp8 {fmt}" if fmt != "none" else "")
 

@@ -93,6 +93,15 @@ def fp8_macs_fraction(cfg, seq_len: int) -> float:
     return fp8 / macs_per_token(cfg, seq_len)
 
 
+def expert_ffn_macs_fractions(cfg, seq_len: int) -> tuple[float, float]:
+    """(routed, shared): the shares of macs_per_token in the MoE layers' routed-expert GEMMs (what waits on the
+    expert exchange) and their shared experts (what does not), MTP modules included."""
+    m, e = cfg.model, cfg.moe
+    n_moe = m.n_layers + m.get("mtp_depth", 0) - layer_plan(m).n_dense
+    per_expert = n_moe * 3 * m.d_model * e.d_ff_expert / macs_per_token(cfg, seq_len)
+    return per_expert * e.top_k, per_expert * e.n_shared_experts
+
+
 def flops_per_token(cfg, seq_len: int | None = None) -> float:
     """Model training FLOPs per token (Megatron-Core convention)."""
     return FLOPS_PER_MAC_TRAIN * macs_per_token(cfg, cfg.train.seq_len if seq_len is None else seq_len)

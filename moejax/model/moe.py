@@ -65,7 +65,7 @@ def exact_dispatch():
 
 class MoE(nnx.Module):
     def __init__(self, dim: int, moe_cfg, expert_gemm: str, *, rngs: nnx.Rngs, std: float, param_dtype=jnp.float32,
-                 f32_grad: bool = True):
+                 f32_grad: bool = True, exchange_chunks: int = 1):
         n_experts, hidden = moe_cfg.n_routed_experts, moe_cfg.d_ff_expert
         self.router = Router(dim, moe_cfg, rngs=rngs, std=std, param_dtype=param_dtype)
         self.shared = (
@@ -81,6 +81,7 @@ class MoE(nnx.Module):
         self.mode = moe_cfg.dispatch
         self.drop_policy = moe_cfg.drop_policy
         self.dropless_window = float(moe_cfg.dropless_window)
+        self.exchange_chunks = exchange_chunks  # moe.exchange_chunks resolved (kernels.resolve.exchange_chunks)
         self.exact_mode = ("dropless", self.capacity_factor)  # exact dispatch (evaluation, model(tokens))
         self.seq_aux_loss_coef = float(moe_cfg.seq_aux_loss_coef)
         self.batch_aux_loss_coef = float(moe_cfg.batch_aux_loss_coef)  # applied model-wide by loss.lm_loss
@@ -100,6 +101,7 @@ class MoE(nnx.Module):
             f32_grad=self.f32_grad, capacity_factor=self.exact_mode[1] if _EXACT.get() else self.capacity_factor,
             mode=self.exact_mode[0] if _EXACT.get() else self.mode, drop_policy=self.drop_policy,
             gemm=self.expert_gemm, dropless_window=self.dropless_window,
+            exchange_chunks=self.exchange_chunks,
         )
         out = shared_BxLxD + routed_TxD.reshape(batch, seq, dim)
         # The mesh-wide selection counts (before any drop) as fractions of the global batch's tokens.

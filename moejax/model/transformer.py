@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from moejax.config.layers import check_pipeline_layers, layer_plan, pipeline_in_flight
 from moejax.kernels import fp8
-from moejax.kernels.resolve import model_kernels
+from moejax.kernels.resolve import exchange_chunks, model_kernels
 from moejax.model.attention import make_attention
 from moejax.model.layers import LAYERS_AXIS_METADATA, MLP, Embed, RMSNorm, dtype_of, grads_in_f32, param, project
 from moejax.model.moe import MoE, MoEStats, combine_micro_stats
@@ -78,7 +78,7 @@ class Block(nnx.Module):
         self.ffn_norm = RMSNorm(m.d_model, eps=m.norm_eps, param_dtype=pdt)
         if moe:
             self.ffn = MoE(m.d_model, cfg.moe, kernels["expert_gemm"], rngs=rngs, std=m.init_std, param_dtype=pdt,
-                           f32_grad=grads_in_f32(m))
+                           f32_grad=grads_in_f32(m), exchange_chunks=exchange_chunks(cfg))
         else:
             self.ffn = MLP(m.d_model, m.d_ff, rngs=rngs, std=m.init_std, param_dtype=pdt,
                            f32_grad=grads_in_f32(m))

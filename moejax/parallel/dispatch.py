@@ -78,34 +78,56 @@ def _stats(counts_E, dropped, assignments, collective: bool, rounds=1) -> Dispat
     return DispatchStats(counts_E, dropped, assignments, jnp.asarray(rounds, jnp.int32))
 
 
-def _capacity_moe(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, ffn_axis,
-                  n_experts, ep, capacity, gemm, drop_policy, collective):
-    n_tokens, top_k = expert_idx_TxK.shape
-    d_model = x_TxD.shape[-1]
+def slot_chunks(capacity: int, chunks: int) -> list[tuple[int, int]]:
+    """[lo, hi) slot ranges of each expert's capacity, one per exchange (moe.exchange_chunks): as even as the
+    capacity allows, never empty (at most `capacity` chunks)."""
+    n = max(1, min(chunks, capacity))
+    bounds = [capacity * i // n for i in range(n + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _capacity_chunk(buf_ExCxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, ep, gemm, ffn_axis):
+    """Slots [E, c, D] of every expert (expert-major, so sorted by destination device) through their experts and
+    back: all_to_all over `expert`, the local experts as one grouped matmul over [E_local, ep*c, D], all_to_all
+    back."""
+    n_experts, cap, d_model = buf_ExCxD.shape
     n_local = n_experts // ep
-    plan = _plan(expert_idx_TxK, expert_w_TxK, n_experts, capacity, drop_policy)
-    buf_SxD = dispatch_rows(x_TxD, plan.slot_A, plan.src_S, top_k)
     if ep > 1:
-        # [dest device, E_local*C, D] -> [source device, E_local*C, D]
-        buf_PxRxD = jax.lax.all_to_all(buf_SxD.reshape(ep, n_local * capacity, d_model), EXPERT_AXIS, 0, 0)
-        x_ExCxD = buf_PxRxD.reshape(ep, n_local, capacity, d_model).transpose(1, 0, 2, 3)
-        x_ExCxD = checkpoint_name(x_ExCxD.reshape(n_local, ep * capacity, d_model), EXPERT_EXCHANGE)
+        # [dest device, E_local*c, D] -> [source device, E_local*c, D]
+        buf_PxRxD = jax.lax.all_to_all(buf_ExCxD.reshape(ep, n_local * cap, d_model), EXPERT_AXIS, 0, 0)
+        x_ExCxD = buf_PxRxD.reshape(ep, n_local, cap, d_model).transpose(1, 0, 2, 3)
+        x_ExCxD = checkpoint_name(x_ExCxD.reshape(n_local, ep * cap, d_model), EXPERT_EXCHANGE)
     else:
-        x_ExCxD = buf_SxD.reshape(n_experts, capacity, d_model)
+        x_ExCxD = buf_ExCxD
     y_ExCxD = grouped_gemm.expert_ffn(x_ExCxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, kernel=gemm, ffn_axis=ffn_axis)
     if ep > 1:
-        y_PxRxD = y_ExCxD.reshape(n_local, ep, capacity, d_model).transpose(1, 0, 2, 3)
-        y_PxRxD = jax.lax.all_to_all(y_PxRxD.reshape(ep, n_local * capacity, d_model), EXPERT_AXIS, 0, 0)
-        y_SxD = checkpoint_name(y_PxRxD.reshape(n_experts * capacity, d_model), EXPERT_EXCHANGE)
-    else:
-        y_SxD = y_ExCxD.reshape(n_experts * capacity, d_model)
+        y_PxRxD = y_ExCxD.reshape(n_local, ep, cap, d_model).transpose(1, 0, 2, 3)
+        y_PxRxD = jax.lax.all_to_all(y_PxRxD.reshape(ep, n_local * cap, d_model), EXPERT_AXIS, 0, 0)
+        y_ExCxD = checkpoint_name(y_PxRxD.reshape(n_experts, cap, d_model), EXPERT_EXCHANGE)
+    return y_ExCxD
+
+
+def _capacity_moe(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, ffn_axis,
+                  n_experts, ep, capacity, gemm, drop_policy, collective, chunks=1):
+    """chunks (moe.exchange_chunks): each expert's slots split into that many ranges, each exchanged and computed
+    on its own (_capacity_chunk): independent, so XLA's scheduler can run one range's all_to_all under another's
+    GEMMs. Every slot meets the same expert, so the result is the unchunked layer's."""
+    n_tokens, top_k = expert_idx_TxK.shape
+    d_model = x_TxD.shape[-1]
+    plan = _plan(expert_idx_TxK, expert_w_TxK, n_experts, capacity, drop_policy)
+    buf_ExCxD = dispatch_rows(x_TxD, plan.slot_A, plan.src_S, top_k).reshape(n_experts, capacity, d_model)
+    y_parts = [_capacity_chunk(buf_ExCxD[:, lo:hi], w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, ep=ep, gemm=gemm,
+                               ffn_axis=ffn_axis) for lo, hi in slot_chunks(capacity, chunks)]
+    y_ExCxD = y_parts[0] if len(y_parts) == 1 else jnp.concatenate(y_parts, axis=1)
+    y_SxD = y_ExCxD.reshape(n_experts * capacity, d_model)
     out_TxD = combine_rows(y_SxD, expert_w_TxK, plan.slot_A, plan.src_S)
     dropped = jnp.sum(~plan.keep_A)
     return out_TxD, _stats(plan.counts_E, dropped, n_tokens * top_k, collective)
 
 
 def _allgather_moe(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, ffn_axis,
-                   n_experts, ep, capacity, gemm, drop_policy, collective):
+                   n_experts, ep, capacity, gemm, drop_policy, collective, chunks=1):
+    """chunks: one exchange always (config validation refuses moe.exchange_chunks > 1 with allgather)."""
     n_tokens, top_k = expert_idx_TxK.shape
     n_local = n_experts // ep
     if ep > 1:
@@ -135,11 +157,11 @@ def _allgather_moe(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF
 
 
 def _dropless_moe(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, ffn_axis,
-                  n_experts, ep, capacity, gemm, drop_policy, collective):
+                  n_experts, ep, capacity, gemm, drop_policy, collective, chunks=1):
     """dropless.py; `capacity` here is the window: rows received per round."""
     out_TxD, counts_E, rounds = dropless.dropless_moe(
         x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, n_experts=n_experts, ep=ep,
-        window=capacity, gemm=gemm, ffn_axis=ffn_axis, collective=collective)
+        window=capacity, gemm=gemm, ffn_axis=ffn_axis, collective=collective, chunks=chunks)
     return out_TxD, _stats(counts_E, jnp.int32(0), expert_idx_TxK.size, collective, rounds)
 
 
@@ -201,9 +223,11 @@ _MODES = {"capacity": _capacity_moe, "allgather": _allgather_moe, "dropless": _d
 
 def routed_experts(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *,
                    capacity_factor: float, mode: str = "capacity", drop_policy: str = "position",
-                   gemm: str = "einsum", dropless_window: float = 1.25, compute_dtype=None, f32_grad: bool = True):
+                   gemm: str = "einsum", dropless_window: float = 1.25, compute_dtype=None, f32_grad: bool = True,
+                   exchange_chunks: int = 1):
     """Routed-expert output [T, D] for tokens x [T, D] and their top-k experts/weights [T, K]. The expert weights
-    come as stored (param dtype) and are cast to compute_dtype (default: x's) where they are used."""
+    come as stored (param dtype) and are cast to compute_dtype (default: x's) where they are used.
+    exchange_chunks: exchanges per layer and direction (capacity, dropless), resolved (moe.exchange_chunks)."""
     dtype = jnp.dtype(compute_dtype or x_TxD.dtype)
     n_experts = w_gate_ExDxF.shape[0]
     top_k = expert_idx_TxK.shape[-1]
@@ -214,7 +238,7 @@ def routed_experts(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF
         w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD = (w.astype(dtype) for w in (w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD))
         return body_fn(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD,
                        n_experts=n_experts, ep=1, capacity=capacity, gemm=gemm, drop_policy=drop_policy,
-                       collective=False, ffn_axis=None)
+                       collective=False, ffn_axis=None, chunks=exchange_chunks)
 
     ep = mesh.shape[EXPERT_AXIS]
     batch_shards = math.prod(mesh.shape[a] for a in batch_axes())
@@ -239,7 +263,7 @@ def routed_experts(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF
         w_gate, w_up = (_weights_for_compute(w_, 1, dtype, f32_grad, replicas, fsdp, typed) for w_ in (w_gate, w_up))
         w_down = _weights_for_compute(w_down, 2, dtype, f32_grad, replicas, fsdp, typed)
         return body_fn(x, idx, w, w_gate, w_up, w_down, n_experts=n_experts, ep=ep, capacity=capacity, gemm=gemm,
-                       drop_policy=drop_policy, collective=True, ffn_axis=ffn_axis)
+                       drop_policy=drop_policy, collective=True, ffn_axis=ffn_axis, chunks=exchange_chunks)
 
     return jax.shard_map(
         body, mesh=mesh, in_specs=(tokens, tokens, tokens, w_in, w_in, w_out),

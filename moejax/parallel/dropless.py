@@ -49,6 +49,17 @@ def window_rows(tokens_per_device: int, top_k: int, ep: int, n_local: int, windo
     return _round_up(max(1, min(worst, math.ceil(window * tokens_per_device * top_k))), multiple)
 
 
+def window_chunks(window: int, chunks: int, multiple: int = 8) -> list[tuple[int, int]]:
+    """(first receive-order position, rows) of each of round 0's exchanges (moe.exchange_chunks): the window (a
+    multiple of `multiple`, the grouped GEMM's row tile) split as evenly as whole tiles allow, none empty. They
+    add up to the window, so overflow rounds start where they did unchunked and run as often."""
+    units = window // multiple
+    n = max(1, min(chunks, units))
+    bounds = [multiple * (units * i // n) for i in range(n + 1)]
+    bounds[-1] = window
+    return [(lo, hi - lo) for lo, hi in zip(bounds[:-1], bounds[1:])]
+
+
 def overflow_window_rows(window: int, multiple: int = 8) -> int:
     """Rows of each overflow round: a quarter of the window, rounded up to `multiple`, so a load a little above
     the window costs a little more, not a whole second window."""
@@ -375,10 +386,15 @@ _overflow_rounds.defvjp(_overflow_fwd, _overflow_bwd)
 
 
 def dropless_moe(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, n_experts: int,
-                 ep: int, window: int, gemm: str, ffn_axis, collective: bool):
-    """Routed-expert output [T, D] and (mesh-wide int32 expert counts, rounds run). `window`: rows per round."""
+                 ep: int, window: int, gemm: str, ffn_axis, collective: bool, chunks: int = 1):
+    """Routed-expert output [T, D] and (mesh-wide int32 expert counts, rounds run). `window`: rows per round.
+
+    chunks (moe.exchange_chunks): round 0 runs as that many exchanges of a slice of the receive order each
+    (window_chunks): independent of one another, so XLA's scheduler can run one chunk's exchange under another's
+    expert GEMMs (forward and backward). Every row still goes through the same expert once and the chunks fill
+    different rows, so the result is the unchunked layer's; counts, overflow rounds and the round count are
+    unchanged."""
     n_tokens, top_k = expert_idx_TxK.shape
-    n_assign = n_tokens * top_k
     n_local = n_experts // ep
     how = trace_how()
     expert_A = expert_idx_TxK.reshape(-1).astype(jnp.int32)
@@ -387,8 +403,11 @@ def dropless_moe(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF, 
     rows_AxD = dispatch_rows(x_TxD, rank_A, order_A, top_k)
     counts_E = jnp.bincount(expert_A, length=n_experts).astype(jnp.int32)
     ex = plan_exchange(counts_E, ep)
-    y_AxD = _round(0, rows_AxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, ex, window=window, ep=ep, gemm=gemm,
-                   ffn_axis=ffn_axis, how=how)
+    y_AxD = None
+    for lo, rows in window_chunks(window, chunks, grouped_gemm.row_multiple(gemm)):
+        y_c = _round(lo, rows_AxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, ex, window=rows, ep=ep, gemm=gemm,
+                     ffn_axis=ffn_axis, how=how)
+        y_AxD = y_c if y_AxD is None else y_AxD + y_c
     n_rounds = jnp.int32(1)  # a window of the worst case always suffices: no overflow code, no pmax
     if window < worst_case_rows(n_tokens, top_k, ep, n_local):
         # Every device of the mesh runs the same number of rounds (collectives inside): the largest load decides.

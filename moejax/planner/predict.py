@@ -5,8 +5,10 @@ Time model (every assumption is listed by `assumptions()` and printed with the r
             peak being the FP8 format's GEMM rate (fp8_gemm_peak) for the share of FLOPs model.fp8 runs in FP8
             (accounting.fp8_macs_fraction) and the bf16 one for the rest; the recompute factor of each remat policy is traced from the step
             (planner/recompute.py)
-  exposed   expert all-to-all and tensor all-reduces sit on the critical path (the next matmul needs
-            them); fsdp gathers and gradient sums overlap with compute and only their excess shows
+  exposed   tensor all-reduces and pipeline hand-offs sit on the critical path (the next matmul needs them);
+            fsdp gathers and gradient sums overlap with compute and only their excess shows; the expert
+            exchange in C slices (moe.exchange_chunks) is exposed as exposed_exchange_s says
+
   links     wire bytes of hierarchical collectives (comm.wire_bytes) over per-GPU NVLink / NIC bandwidth
   stages    (layout.stage > 1, parallel/pipeline.py as moejax runs it) the MoE layers' FLOPs are split over the
             stages and stretched by the bubble, 1 + (S - 1) / (M V) (a stage computes on its idle ticks too);
@@ -22,8 +24,9 @@ from dataclasses import dataclass
 
 from moejax.config import REMAT_POLICIES, ConfigError, validate
 from moejax.config.layers import layer_plan
-from moejax.model.accounting import (flops_per_token, fp8_macs_fraction, mtp_blocks_macs_fraction,
-                                     pipelined_macs_fraction)
+from moejax.kernels.resolve import GPU_EXCHANGE_CHUNKS, exchange_chunks
+from moejax.model.accounting import (expert_ffn_macs_fractions, flops_per_token, fp8_macs_fraction,
+                                     mtp_blocks_macs_fraction, pipelined_macs_fraction)
 from moejax.parallel.pipeline import bubble_fraction, chunk_slots
 from moejax.parallel.topology import Topology
 from moejax.planner.comm import buffer_bytes_by_link, step_traffic, wire_bytes
@@ -46,6 +49,22 @@ def fp8_gemm_peak(fmt: str, topo: Topology) -> float:
 CRITICAL = ("expert", "tensor", "stage")  # collectives over these axes are waited on, not overlapped
 
 
+def exposed_exchange_s(exchange_s: float, routed_s: float, shared_s: float, chunks: int) -> float:
+    """The expert exchange's exposed time when each MoE layer runs it in `chunks` slices (moe.exchange_chunks):
+    per layer and pass, slice c's exchange can run under slice c - 1's expert GEMMs, so of the exchange's
+    exchange_s only the first slice's dispatch and the last slice's return (exchange_s / C) wait on nothing but
+    the shared experts (shared_s, independent of the exchange), and the middle (exchange_s (C - 1) / C) shows
+    where it exceeds the routed GEMMs' routed_s. One slice: the shared experts alone hide it. Every term sums
+    over the step's MoE layer executions (forward, recompute, backward), which all share the same ratios."""
+    edge, middle = exchange_s / chunks, exchange_s * (chunks - 1) / chunks
+    return max(0.0, edge - shared_s) + max(0.0, middle - routed_s)
+
+
+def is_expert_exchange(traffic) -> bool:
+    """The all-to-all of the expert dispatch and combine (capacity, dropless)."""
+    return traffic.kind == "all-to-all" and tuple(traffic.axes) == ("expert",)
+
+
 @dataclass(frozen=True)
 class Prediction:
     layout: Layout
@@ -57,6 +76,9 @@ class Prediction:
     bubble: float  # pipeline stages: idle ticks over useful ones, (S - 1) / (M V); 0 without stages
     stage_compute: float  # pipeline stages: device FLOPs over an even split's (bubble and redundant parts); 1 without
     compute_s: float
+    exchange_chunks: int  # moe.exchange_chunks as a GPU run resolves it for this layout
+    exchange_s: float  # the expert exchange's time on the links, every MoE layer execution of the step
+    exposed_exchange_s: float  # the part of it no compute covers (exposed_exchange_s()); in exposed_comm_s
     exposed_comm_s: float
     step_s: float
     tokens_per_s_per_gpu: float
@@ -67,7 +89,9 @@ class Prediction:
         return {"layout": self.layout.to_dict(), "name": self.layout.name(), "memory": self.memory.to_dict(),
                 "fits": self.fits, "buffer_bytes": self.buffer_bytes, "wire_bytes": self.wire_bytes,
                 "recompute": self.recompute, "bubble": self.bubble, "stage_compute": self.stage_compute,
-                "compute_s": self.compute_s, "exposed_comm_s": self.exposed_comm_s, "step_s": self.step_s,
+                "compute_s": self.compute_s, "exchange_chunks": self.exchange_chunks, "exchange_s": self.exchange_s,
+                "exposed_exchange_s": self.exposed_exchange_s, "exposed_comm_s": self.exposed_comm_s,
+                "step_s": self.step_s,
                 "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "tflops_per_gpu": self.tflops_per_gpu,
                 "mfu": self.mfu}
 
@@ -92,13 +116,15 @@ def predict(cfg, topo: Topology, layout: Layout, *, efficiency: float, domain_si
     memory = estimate_memory(cfg, layout, seq)
     traffic = step_traffic(cfg, layout, seq)
     wire = {"nvlink": 0.0, "nic": 0.0}
-    critical_s = overlap_s = 0.0
+    critical_s = overlap_s = exchange_s = 0.0
     for tr in traffic:
         w = wire_bytes(tr, layout.sizes, domain_size)
         for link in wire:
             wire[link] += w[link]
         seconds = sum(w[link] / topo.link_bw(link) for link in w)
-        if set(tr.axes) <= set(CRITICAL):
+        if is_expert_exchange(tr):
+            exchange_s += seconds
+        elif set(tr.axes) <= set(CRITICAL):
             critical_s += seconds
         else:
             overlap_s += seconds
@@ -110,12 +136,26 @@ def predict(cfg, topo: Topology, layout: Layout, *, efficiency: float, domain_si
     bubble, stage_compute = stage_terms(cfg, layout, seq)
     compute_s = (model_flops * recompute * stage_compute
                  * ((1 - fp8_share) / topo.peak_bf16 + fp8_share / fp8_peak) / efficiency)
-    exposed = critical_s + max(0.0, overlap_s - compute_s)
+    routed_share, shared_share = expert_ffn_macs_fractions(cfg, seq)
+    chunks = planned_exchange_chunks(cfg, layout, topo)
+    # The expert FFNs' share of compute_s (recompute and stage stretch apply to them like the rest).
+    exposed_exchange = exposed_exchange_s(exchange_s, routed_share * compute_s, shared_share * compute_s, chunks)
+    exposed = critical_s + exposed_exchange + max(0.0, overlap_s - compute_s)
     step_s = compute_s + exposed
     tokens_per_s = tokens_per_step / step_s / n
     return Prediction(layout, memory, memory.total <= topo.hbm_bytes, buffer_bytes_by_link(traffic, layout.sizes, domain_size),
-                      wire, recompute, bubble, stage_compute, compute_s, exposed, step_s, tokens_per_s,
+                      wire, recompute, bubble, stage_compute, compute_s, chunks, exchange_s, exposed_exchange, exposed,
+                      step_s, tokens_per_s,
                       model_flops / step_s / 1e12, model_flops / step_s / topo.peak_bf16)
+
+
+def planned_exchange_chunks(cfg, layout: Layout, topo: Topology) -> int:
+    """moe.exchange_chunks as a run of this layout resolves it (kernels.resolve.exchange_chunks): the config's
+    value, or auto for the topology's devices at the layout's expert parallelism and dispatch."""
+    c = cfg.copy_and_resolve_references()
+    with c.unlocked():
+        c.mesh.expert, c.moe.dispatch = layout.expert, layout.dispatch
+    return exchange_chunks(c, "cpu" if topo.name == "cpu" else "gpu")
 
 
 def stage_terms(cfg, layout: Layout, seq: int) -> tuple[float, float]:
@@ -244,8 +284,13 @@ def assumptions(topo: Topology, efficiency: float, domain_size: int, cfg=None, *
         + _recompute_text(cfg, remats, dispatches),
         *([_fp8_text(cfg, topo, efficiency)] if cfg is not None and cfg.model.get("fp8", "none") != "none" else []),
         "communication: NCCL-style hierarchical collectives (ring inside the domain, then 1/n_in of the data per "
-        "GPU over its own NIC); expert all-to-all and tensor all-reduces are not overlapped with compute, fsdp "
+        "GPU over its own NIC); tensor all-reduces and pipeline hand-offs are not overlapped with compute, fsdp "
         "gathers and gradient sums are overlapped and only their excess over compute shows",
+        "expert exchange in C slices per MoE layer (moe.exchange_chunks; auto on GPUs: "
+        f"{GPU_EXCHANGE_CHUNKS} with expert parallelism, else 1): a slice's exchange runs under the previous slice's routed-expert GEMMs, the "
+        "first dispatch and the last return (1/C of the bytes) only under the shared experts; exposed = "
+        "max(0, X/C - shared) + max(0, X (C-1)/C - routed), X the exchange time, routed/shared the expert FFNs' "
+        "share of compute (as XLA:GPU schedules it with moejax's flags; docs/parallelism.md)",
         "dispatch bytes: capacity = E x C x D per exchange; dropless = the device's T x K routed rows (GPU ragged "
         "path; buffers of the receive window, moe.dropless_window x T x K rows); 4 exchanges per MoE layer per "
         "pass, 6 with recompute",
@@ -270,7 +315,7 @@ def assumptions(topo: Topology, efficiency: float, domain_size: int, cfg=None, *
         "not modelled: 1F1B / zero-bubble schedules (moejax runs the circular one), "
         + ("FP8 GEMMs (model.fp8=none), " if cfg is None or cfg.model.get("fp8", "none") == "none" else
            "FP8 quantisation passes (amax, scale, cast: elementwise, memory-bound), ")
-        + "communication/computation overlap inside the MoE layer "
-        "(DualPipe-style), load imbalance across experts (dropless overflow rounds of steps whose load exceeds "
+        + "overlap of one micro-batch's exchange with another's compute (DualPipe, 1F1B A2A overlap), "
+        "load imbalance across experts (dropless overflow rounds of steps whose load exceeds "
         "the window), stragglers",
     ]
