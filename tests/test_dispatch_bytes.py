@@ -1,5 +1,8 @@
 """Communication is byte-exact: the compiled forward of one MoE layer moves exactly the closed form."""
 
+import contextlib
+from unittest import mock
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -7,6 +10,7 @@ from flax import nnx
 
 from moejax.config import default_config
 from moejax.model.moe import MoE
+from moejax.parallel import dropless
 from moejax.parallel.dispatch import capacity_per_expert
 from moejax.parallel.hlo_collectives import collective_bytes, collectives, overlap
 from moejax.planner.dry_run import expert_exchange_overlap
@@ -84,6 +88,9 @@ ENTRY %main (x: bf16[8,4]) -> bf16[8,4] {
   %b = bf16[8,4]{1,0} bitcast(%d2)
   %gd = bf16[32,4]{1,0} all-gather-done(%g)
   %r = f32[8,4]{1,0} all-reduce(%f2), replica_groups={{0,1,2,3}}, to_apply=%sum
+  %cp = (bf16[8,4]{1,0}, bf16[8,4]{1,0}) collective-permute-start(%x), source_target_pairs={{0,1},{1,2},{2,3},{3,0}}
+  %mm = bf16[8,8]{1,0} fusion(%x, %x), kind=kCustom, calls=%gemm
+  %cpd = bf16[8,4]{1,0} collective-permute-done(%cp)
   ROOT %out = bf16[8,4]{1,0} fusion(%gd, %r), kind=kLoop, calls=%fused
 }
 """
@@ -91,12 +98,16 @@ ENTRY %main (x: bf16[8,4]) -> bf16[8,4] {
 
 def test_overlap_counts_async_collectives_with_compute_scheduled_under_them():
     """An exchange whose start and done have a fusion between them is overlapped; one marked is_sync (XLA runs
-    it on the compute stream), a gather with only a bitcast under it and a plain all-reduce are not."""
+    it on the compute stream), a gather with only a bitcast under it and a plain all-reduce are not. A GEMM
+    fusion (kind=kCustom) under a collective also counts as a GEMM under it; an elementwise fusion does not."""
     colls = {c.kind: c for c in collectives(SCHEDULED)}
-    assert [colls[k].overlapped for k in ("ragged-all-to-all", "all-to-all", "all-gather", "all-reduce")] == \
-        [True, False, False, False]
+    kinds = ("ragged-all-to-all", "all-to-all", "all-gather", "all-reduce", "collective-permute")
+    assert [colls[k].overlapped for k in kinds] == [True, False, False, False, True]
+    assert [colls[k].under_gemm for k in kinds] == [False, False, False, False, True]
     by_kind = overlap(list(colls.values()))
-    assert by_kind["ragged-all-to-all"] == {"bytes": 64, "overlapped_bytes": 64, "share": 1.0}
+    assert by_kind["ragged-all-to-all"] == {"bytes": 64, "overlapped_bytes": 64, "share": 1.0, "gemm_bytes": 0,
+                                            "gemm_share": 0.0}
+    assert by_kind["collective-permute"]["gemm_share"] == 1.0
     assert by_kind["all-gather"]["share"] == 0.0 and by_kind["all-gather"]["bytes"] == 32 * 4 * 2
     assert expert_exchange_overlap(list(colls.values())) == 0.5  # 64 of the 128 exchanged bytes
 
@@ -108,7 +119,10 @@ def dropless_moe_program(devices, platform):
     mesh = make_mesh(MESH, devices)
     state = jax.device_put(state, state_shardings(state, mesh))
     x = jax.device_put(jnp.ones((BATCH, SEQ, D)), batch_sharding(mesh))
-    with jax.set_mesh(mesh):
+    # The dispatch picks its exchange from the mesh's device platform when traced (dropless.How): for the GPU
+    # program on this CPU mesh, it is told the devices are GPUs, and the program is lowered for CUDA.
+    as_gpu = mock.patch.object(dropless, "mesh_platform", lambda mesh: "gpu")
+    with jax.set_mesh(mesh), as_gpu if platform == "cuda" else contextlib.nullcontext():
         traced = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x)[0]).trace(state, x)
         if platform == "cuda":
             return traced.lower(lowering_platforms=("cuda",)).as_text(), c

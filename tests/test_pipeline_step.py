@@ -53,7 +53,8 @@ def in_layer_order(cfg, path, value):
 
 @slow_pipeline
 @pytest.mark.parametrize("stages,virtual,micro,n_moe,axes,dispatch", [
-    (2, 1, 2, 8, {"data": 2, "expert": 2}, "capacity"),
+    # exchange_chunks: the pipelined run's expert exchange in slices (moe.exchange_chunks), the one-device run's whole
+    (2, 1, 2, 8, {"data": 2, "expert": 2, "exchange_chunks": 3}, "capacity"),
     (2, 2, 4, 8, {"expert": 2, "tensor": 2}, "capacity"),
     (4, 1, 4, 8, {"expert": 2}, "allgather"),
     (4, 2, 4, 8, {"expert": 2}, "capacity"),
@@ -62,7 +63,7 @@ def in_layer_order(cfg, path, value):
     (4, 1, 4, 6, {"expert": 2}, "capacity"),
     # dropless inside the stages (untyped dispatch: data 2 checks that the replicas' gradient sum happens once);
     # dropless-overflow: a window of a quarter of the balanced load, so every layer runs overflow rounds (counted)
-    (2, 2, 2, 8, {"data": 2, "expert": 2}, "dropless"),
+    (2, 2, 2, 8, {"data": 2, "expert": 2, "exchange_chunks": 2}, "dropless"),
     (4, 1, 4, 8, {"expert": 2}, "dropless-overflow"),
     # 3 micro-batches on 2 stages: the MTP passes split 2 + 1 over the stages (a padded pass on stage 1); 12 rows
     (2, 1, 3, 8, {"expert": 2, "tensor": 2}, "capacity"),
@@ -83,7 +84,10 @@ def test_pipelined_step_equals_one_device(devices, stages, virtual, micro, n_moe
     piped.train.global_batch = rows
     piped.mesh.stage, piped.mesh.virtual_stages, piped.mesh.data = stages, virtual, 1
     for axis, size in axes.items():
-        piped.mesh[axis] = size
+        if axis == "exchange_chunks":
+            piped.moe.exchange_chunks = size
+        else:
+            piped.mesh[axis] = size
     params_p, state_p, metrics_p = one_step(piped, devices, tokens)
 
     for key in ("loss", "total_loss", "mtp_loss", "grad_norm", "aux_loss", "seq_aux_loss"):

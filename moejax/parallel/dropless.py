@@ -93,16 +93,26 @@ class How(NamedTuple):
     cannot batch a cond (`lax.switch`, `lax.cond`, `lax.platform_dependent`) inside the dispatch shard_map, so the
     exchange is chosen from `platform` when traced, the CPU emulation pads to its largest chunk and the overflow
     rounds run without a cond around them (zero iterations when none is needed). Outside the stages none of this
-    changes the program."""
+    changes the program.
+
+    Everywhere the exchange is chosen from `platform` when it is known, not by `lax.platform_dependent`: that
+    lowers to an XLA conditional on a constant, which XLA:GPU does not inline when the branch holds a collective,
+    so the ragged all-to-all ran alone inside it, synchronous, with nothing scheduled under it (measured on the
+    scheduled DeepSeek-V3-small step for 8 H200s: the layer scan's forward exchanges)."""
     platform: str | None
     axes: tuple[str, ...]
     in_stage: bool
 
 
+def mesh_platform(mesh) -> str | None:
+    """'gpu', 'cpu', ... of the abstract mesh's devices; None for a mesh that names none."""
+    device = getattr(mesh, "abstract_device", None)
+    return None if device is None else ("gpu" if device.platform in ("gpu", "cuda", "rocm") else device.platform)
+
+
 def trace_how() -> How:
     mesh = jax.sharding.get_abstract_mesh()
-    device = getattr(mesh, "abstract_device", None)
-    platform = None if device is None else ("gpu" if device.platform in ("gpu", "cuda", "rocm") else device.platform)
+    platform = mesh_platform(mesh)
     in_stage = not mesh.empty and inside_pipeline_stage(mesh)
     if in_stage and platform is None:
         raise ValueError("dropless dispatch inside pipeline stages needs the mesh's device platform (a mesh of "
@@ -188,6 +198,8 @@ def largest_send(send_sizes_P, how: How):
     def mesh_max(send):
         return jax.lax.pmax(jnp.max(send), how.axes)
 
+    if how.platform is not None:  # no conditional in the program (How)
+        return mesh_max(send_sizes_P) if how.platform == "cpu" else jnp.int32(0)
     return jax.lax.platform_dependent(send_sizes_P, cpu=mesh_max, default=lambda send: jnp.int32(0))
 
 
@@ -195,9 +207,8 @@ def ragged_exchange(rows_NxD, input_offsets, send_sizes, output_offsets, recv_si
                     recv_at, largest):
     """`lax.ragged_all_to_all` over `expert` into a zero [out_rows, D] buffer (emulated on CPU: XLA:CPU cannot
     compile the ragged op; recv_at and largest are what the emulation takes instead of the output offsets and a
-    collective to pick its chunk size: `_emulated`). Resolved when lowered (`lax.platform_dependent`: a program
-    lowered for another platform than its mesh's devices gets that platform's exchange), except inside pipeline
-    stages, where no cond can be batched: there the mesh's device platform decides when traced (How)."""
+    collective to pick its chunk size: `_emulated`). The mesh's device platform decides when traced (How); a mesh
+    that names no device resolves it when lowered (`lax.platform_dependent`)."""
 
     def native(rows, in_off, send, out_off, recv, at, big):
         # The output buffer varies over the batch axes like the rows (shard_map's check_vma typing).
@@ -208,7 +219,7 @@ def ragged_exchange(rows_NxD, input_offsets, send_sizes, output_offsets, recv_si
         return _emulated(rows, in_off, send, at, recv, big, out_rows, how)
 
     args = (rows_NxD, input_offsets, send_sizes, output_offsets, recv_sizes, recv_at, largest)
-    if not how.in_stage:
+    if how.platform is None:
         return jax.lax.platform_dependent(*args, cpu=emulated, default=native)
     return emulated(*args) if how.platform == "cpu" else native(*args)
 

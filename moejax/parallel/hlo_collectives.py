@@ -48,6 +48,10 @@ _DONE = re.compile(r"\b(?:async|[a-z\-]+)-done\(%(?P<start>[\w.\-]+)")
 # calls that hold them (an async start or done is not work, nor a bitcast, tuple or parameter).
 _COMPUTE = re.compile(r"\s(?:fusion|custom-call|dot|convolution|while|call|conditional)\(")
 _SYNC = '"is_sync":true'
+# A GEMM among that work: XLA:GPU's GEMM fusions (cuBLAS / Triton, `kind=kCustom`), kernel custom calls (tokamax's
+# Mosaic GPU grouped GEMM), dots, and the loops that hold them. Stricter than _COMPUTE: an elementwise fusion of the
+# routing metadata under an exchange is compute, not the work that hides it.
+_GEMM = re.compile(r"\s(?:custom-call|dot|convolution|while)\(|\sfusion\(.*\bkind=kCustom\b")
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,7 @@ class Collective:
     op_name: str  # jax's name for the op that produced it (metadata), for reports
     by_dtype: tuple[tuple[str, int], ...] = ()  # `bytes` split by HLO element type, e.g. (("f32", n),)
     overlapped: bool = False  # asynchronous, with compute scheduled between its start and its done (`overlap`)
+    under_gemm: bool = False  # ... and among that compute a GEMM (_GEMM)
 
 
 def _bytes_by_dtype(shapes: str) -> dict[str, int]:
@@ -182,11 +187,11 @@ def _multiplicities(edges, entry, data_dependent_trips: int) -> dict[str, int]:
     return times
 
 
-def _overlap_windows(lines, owner) -> tuple[dict[int, bool], dict[str, bool]]:
+def _overlap_windows(lines, owner) -> tuple[dict[int, tuple[bool, bool]], dict[str, tuple[bool, bool]]]:
     """For a scheduled module (`is_scheduled=true`: each computation's instructions in execution order): whether
-    compute runs between an asynchronous collective's start and its done. Returns ({line index of an X-start
-    collective: overlapped}, {async computation called by an async-start: overlapped}). A start marked
-    `"is_sync":true` runs synchronously whatever lies between: not overlapped."""
+    compute runs between an asynchronous collective's start and its done, and whether a GEMM does. Returns ({line
+    index of an X-start collective: (overlapped, under a GEMM)}, {async computation called by an async-start: the
+    same}). A start marked `"is_sync":true` runs synchronously whatever lies between: not overlapped."""
     by_comp: dict[str, list[int]] = defaultdict(list)
     for i, comp in enumerate(owner):
         if comp is not None and _INSTR.match(lines[i]):
@@ -204,12 +209,12 @@ def _overlap_windows(lines, owner) -> tuple[dict[int, bool], dict[str, bool]]:
                 continue
             name = _INSTR.match(line)["name"]
             end = done_at.get(name)
-            overlapped = (end is not None and _SYNC not in line
-                          and any(_COMPUTE.search(lines[j]) for j in idx[pos + 1:end]))
+            between = [lines[j] for j in idx[pos + 1:end]] if end is not None and _SYNC not in line else []
+            found = (any(_COMPUTE.search(b) for b in between), any(_GEMM.search(b) for b in between))
             if call:
-                calls[call["callee"]] = overlapped
+                calls[call["callee"]] = found
             else:
-                starts[i] = overlapped
+                starts[i] = found
     return starts, calls
 
 
@@ -239,23 +244,28 @@ def collectives(hlo_text: str) -> list[Collective]:
         if m["kind"] == "reduce-scatter":
             by_dtype = {t: n * len(groups[0]) for t, n in by_dtype.items()}
         name = n["name"] if (n := _OP_NAME.search(line)) else ""
-        overlapped = started.get(i, False) or (async_calls.get(comp, False) and _SYNC not in line)
+        overlapped, under_gemm = started.get(i, (False, False))
+        if comp in async_calls and _SYNC not in line:
+            overlapped, under_gemm = async_calls[comp]
         out.append(Collective(m["kind"], sum(by_dtype.values()), groups, times.get(comp, 0), name,
-                              tuple(sorted(by_dtype.items())), overlapped))
+                              tuple(sorted(by_dtype.items())), overlapped, under_gemm))
     return out
 
 
 def overlap(colls: list[Collective]) -> dict[str, dict[str, float]]:
-    """{kind: {"bytes", "overlapped_bytes", "share"}} over one run of the program: the bytes each kind of
-    collective moves and the part of them moved by asynchronous collectives with compute scheduled between start
-    and done (in a scheduled module; what the GPU can hide behind work). XLA:CPU runs collectives synchronously."""
+    """{kind: {"bytes", "overlapped_bytes", "share", "gemm_bytes", "gemm_share"}} over one run of the program: the
+    bytes each kind of collective moves, the part of them moved by asynchronous collectives with compute scheduled
+    between start and done (in a scheduled module; what the GPU can hide behind work), and the part with a GEMM
+    among that compute. XLA:CPU runs collectives synchronously."""
     out: dict[str, dict[str, float]] = {}
     for c in colls:
-        o = out.setdefault(c.kind, {"bytes": 0, "overlapped_bytes": 0})
+        o = out.setdefault(c.kind, {"bytes": 0, "overlapped_bytes": 0, "gemm_bytes": 0})
         o["bytes"] += c.bytes * c.count
         o["overlapped_bytes"] += c.bytes * c.count * c.overlapped
+        o["gemm_bytes"] += c.bytes * c.count * c.under_gemm
     for o in out.values():
         o["share"] = o["overlapped_bytes"] / o["bytes"] if o["bytes"] else 0.0
+        o["gemm_share"] = o["gemm_bytes"] / o["bytes"] if o["bytes"] else 0.0
     return out
 
 

@@ -117,7 +117,8 @@ def dry_run(cfg, n_devices: int, target: str | None = None, *, keep_hlo: bool = 
         "device_kind": devices[0].device_kind, "notes": notes,
         "kernels": {k: cfg.kernels[k] for k in KERNEL_FIELDS}, "kernels_line": kernels_line,
         "collectives": [{"kind": c.kind, "bytes": c.bytes, "count": c.count, "dtypes": dict(c.by_dtype),
-                         "group_size": len(c.groups[0]), "overlapped": c.overlapped, "op": c.op_name[-120:]}
+                         "group_size": len(c.groups[0]), "overlapped": c.overlapped, "under_gemm": c.under_gemm,
+                         "op": c.op_name[-120:]}
                         for c in colls],
         "xla": {"memory_bytes": xla_bytes, "argument_bytes": mem.argument_size_in_bytes,
                 "output_bytes": mem.output_size_in_bytes, "alias_bytes": mem.alias_size_in_bytes,
@@ -128,7 +129,8 @@ def dry_run(cfg, n_devices: int, target: str | None = None, *, keep_hlo: bool = 
                 "collective_bytes": hlo_kinds, "collective_bytes_by_dtype": xla_dtypes,
                 "collective_bytes_by_link": hlo_links,
                 # per kind: the bytes moved by asynchronous collectives with compute scheduled under them
-                "overlap": overlap(colls), "expert_exchange_overlap": expert_exchange_overlap(colls)},
+                "overlap": overlap(colls), "expert_exchange_overlap": expert_exchange_overlap(colls),
+                "expert_exchange_under_gemm": expert_exchange_overlap(colls, "gemm_bytes")},
         "plan": {"memory_bytes": predicted_mem.total, "memory": predicted_mem.to_dict(),
                  "model_flops_per_device": flops_per_token(cfg) * tokens / n_devices,
                  "collective_bytes": pred_kinds, "collective_bytes_by_dtype": plan_dtypes,
@@ -143,16 +145,17 @@ def _dtypes(by_dtype: dict[str, int]) -> str:
 EXPERT_EXCHANGES = ("all-to-all", "ragged-all-to-all")  # the MoE dispatch and combine (capacity / dropless)
 
 
-def expert_exchange_overlap(colls) -> float | None:
+def expert_exchange_overlap(colls, under: str = "overlapped_bytes") -> float | None:
     """The share of the expert exchange's bytes (all-to-all and ragged all-to-all) moved with compute scheduled
-    under them; None when the program has no exchange."""
+    under them (under='gemm_bytes': with a GEMM among it); None when the program has no exchange."""
     by_kind = overlap(colls)
     total = sum(by_kind[k]["bytes"] for k in EXPERT_EXCHANGES if k in by_kind)
-    return sum(by_kind[k]["overlapped_bytes"] for k in EXPERT_EXCHANGES if k in by_kind) / total if total else None
+    return sum(by_kind[k][under] for k in EXPERT_EXCHANGES if k in by_kind) / total if total else None
 
 
 def _overlap_line(x: dict) -> str:
-    parts = [] if x.get("expert_exchange_overlap") is None else [f"expert exchange {x['expert_exchange_overlap']:.0%}"]
+    parts = [] if x.get("expert_exchange_overlap") is None else [
+        f"expert exchange {x['expert_exchange_overlap']:.0%} (a GEMM under {x['expert_exchange_under_gemm']:.0%})"]
     parts += [f"{kind} {o['share']:.0%}" for kind, o in sorted(x["overlap"].items()) if o["bytes"]]
     return "  collective bytes with compute scheduled under them: " + ", ".join(parts)
 
