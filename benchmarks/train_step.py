@@ -6,7 +6,8 @@ a matmul peak measured in the same process (`--matmul_n`), next to the planner's
 (memory, step time, MFU at 50% GEMM efficiency) and, on GPUs, the device's peak memory. Prints a table, writes JSON.
 
     python benchmarks/train_step.py [--config configs/tiny.py] [--steps 10] [--layouts config,expert8]
-        [--dispatches config,capacity,allgather,dropless] [--fp8 config,none,rowwise] [--repeats 1]
+        [--dispatches config,capacity,allgather,dropless] [--fp8 config,none,rowwise] [--exchange_chunks config,1,2]
+        [--repeats 1]
         [--autotune none|load|tune] [--json benchmarks/results/train_step.json]
     python benchmarks/train_step.py --config benchmarks/configs/deepseek_v3_1gpu.py:h200 --layouts config \
         --dispatches dropless,capacity --fp8 none,rowwise --steps 5 --autotune tune        # one GPU
@@ -111,6 +112,7 @@ class Program:
         tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
         moe = {k: float(self.metrics[k]) for k in ("dropped_fraction", "dropless_rounds") if k in self.metrics}
         row = {"mesh": self.sizes, "compile_s": self.compile_s, "dispatch": cfg.moe.dispatch,
+               "exchange_chunks": int(cfg.moe.exchange_chunks),
                "fp8": cfg.model.fp8, "kernels": self.kernels_line,
                "kernel_configs": "default" if self.tuning is None else "tuned", **moe,
                "repeat_step_times_s": self.step_times,
@@ -180,7 +182,7 @@ def autotune(lowered, path: Path):
     return result
 
 
-TABLE_HEAD = (f"{'layout':<16}{'dispatch':<10}{'fp8':<10}{'configs':<9}{'step ms':>10}{'tok/s':>10}{'TFLOP/s':>9}"
+TABLE_HEAD = (f"{'layout':<16}{'dispatch':<10}{'chunks':>7} {'fp8':<10}{'configs':<9}{'step ms':>10}{'tok/s':>10}{'TFLOP/s':>9}"
               f"{'MFU':>7}{'MFU mm':>8}{'mem GB':>8}{'plan GB':>8}{'plan MFU':>9}{'compile s':>10}{'dropped':>8}"
               f"{'rounds':>7}")
 
@@ -193,7 +195,7 @@ def table_line(r: dict) -> str:
     mm = f"{100 * r['mfu_vs_matmul_peak']:.1f}%" if "mfu_vs_matmul_peak" in r else "-"
     plan_gb = f"{plan['memory_bytes'] / 1e9:.1f}" if "memory_bytes" in plan else "-"
     plan_mfu = f"{100 * plan['mfu']:.1f}%" if "mfu" in plan else "-"
-    return (f"{r['layout']:<16}{r['dispatch']:<10}{r['fp8']:<10}{r['kernel_configs']:<9}"
+    return (f"{r['layout']:<16}{r['dispatch']:<10}{r.get('exchange_chunks', 1):>7} {r['fp8']:<10}{r['kernel_configs']:<9}"
             f"{r['step_time_s'] * 1e3:>10.1f}{r['tokens_per_s']:>10.4g}{r['tflops_per_device']:>9.3g}"
             f"{100 * r['mfu']:>6.1f}%{mm:>8}{mem:>8}{plan_gb:>8}{plan_mfu:>9}{r['compile_s']:>10.1f}"
             f"{100 * r.get('dropped_fraction', 0):>7.1f}%{r.get('dropless_rounds', 1):>7.0f}")
@@ -212,6 +214,8 @@ def main():
     ap.add_argument("--fp8", default="config",
                     help="comma-separated model.fp8 formats to measure (config: the config's own), of: "
                          + ", ".join(FP8_FORMATS))
+    ap.add_argument("--exchange_chunks", default="config",
+                    help="comma-separated moe.exchange_chunks values to measure (config: the config's own; 0: auto)")
     ap.add_argument("--dtype", default="config", help="model.dtype (config: the config's own), e.g. bfloat16 on GPUs")
     ap.add_argument("--matmul_n", type=int, default=0,
                     help="size of the square matmul whose measured rate is the second MFU's peak (model.dtype); "
@@ -230,6 +234,9 @@ def main():
         for fmt in args.fp8.split(","):
             if fmt not in ("config", *FP8_FORMATS):
                 raise ConfigError(f"--fp8 {fmt!r}: one of config, {', '.join(FP8_FORMATS)}")
+        for chunks in args.exchange_chunks.split(","):
+            if chunks != "config" and not (chunks.isdigit()):
+                raise ConfigError(f"--exchange_chunks {chunks!r}: config or an integer >= 0")
         if args.autotune != "none":
             try:
                 import tokamax  # noqa: F401
@@ -260,14 +267,17 @@ def main():
     for name in args.layouts.split(","):
         for dispatch in args.dispatches.split(","):
             for fmt in args.fp8.split(","):
-                cfg = base.copy_and_resolve_references()
-                if LAYOUTS[name] is not None:
-                    cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.expert, cfg.mesh.tensor = LAYOUTS[name]
-                if dispatch != "config":
-                    cfg.moe.dispatch = dispatch
-                if fmt != "config":
-                    cfg.model.fp8 = fmt
-                configs.append((name, cfg))
+                for chunks in args.exchange_chunks.split(","):
+                    cfg = base.copy_and_resolve_references()
+                    if LAYOUTS[name] is not None:
+                        cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.expert, cfg.mesh.tensor = LAYOUTS[name]
+                    if dispatch != "config":
+                        cfg.moe.dispatch = dispatch
+                    if fmt != "config":
+                        cfg.model.fp8 = fmt
+                    if chunks != "config":
+                        cfg.moe.exchange_chunks = int(chunks)
+                    configs.append((name, cfg))
 
     def write_json(rows):  # after every finished program too: a run cut short keeps what it measured
         out = Path(args.json)

@@ -86,7 +86,8 @@ def test_apply_kernels_writes_what_runs_and_says_so():
 
 
 @pytest.mark.parametrize("dispatch,expert,platform,asked,chunks", [
-    ("dropless", 4, "gpu", 0, resolve.GPU_EXCHANGE_CHUNKS), ("capacity", 8, "gpu", 0, resolve.GPU_EXCHANGE_CHUNKS),
+    ("dropless", 4, "gpu", 0, resolve.GPU_EXCHANGE_CHUNKS),
+    ("capacity", 8, "gpu", 0, 1),  # its compiled step hid less under two slices than under one
     ("dropless", 1, "gpu", 0, 1),  # no exchange to hide
     ("allgather", 4, "gpu", 0, 1),  # no all-to-all
     ("dropless", 4, "cpu", 0, 1),  # XLA:CPU runs collectives synchronously: nothing to hide behind

@@ -109,8 +109,8 @@ def default_config() -> ml_collections.ConfigDict:
     e.dropless_window = 1.25
     # capacity and dropless: exchanges per MoE layer and direction; each moves a slice of every expert's rows, so
     # one slice's all-to-all runs under another's expert GEMMs (exact: the same rows meet the same experts).
-    # 0 = auto, from the mesh's devices: GPUs with expert parallelism 2, otherwise 1 (one exchange); printed at
-    # start with the kernels and written resolved into WORKDIR/config.json. allgather: 1 only.
+    # 0 = auto, from the mesh's devices: dropless on GPUs with expert parallelism 2, otherwise 1 (one exchange);
+    # printed at start with the kernels and written resolved into WORKDIR/config.json. allgather: 1 only.
     e.exchange_chunks = 0
     e.seq_aux_loss_coef = 1e-4  # DeepSeek-V3 sequence-wise balance loss (alpha)
     # transformers' router_aux_loss_coef, same definition: load_balancing_loss_func over every MoE layer's tokens

@@ -136,19 +136,21 @@ def _expert_gemm(cfg, platform: str, compute_capability: float | None = None) ->
     return kernel
 
 
-# moe.exchange_chunks=0 (auto) on GPUs with expert parallelism: two slices per exchange. XLA:GPU then schedules
-# one slice's all-to-all under the other's expert GEMMs (docs/parallelism.md, "Collectives under compute").
+# moe.exchange_chunks=0 (auto) for dropless on GPUs with expert parallelism: two slices per exchange. In the
+# scheduled XLA:GPU step (DeepSeek-V3-small, 8 H200s, benchmarks/RESULTS.md "Exchange in slices") a GEMM runs under
+# 66% of the exchange's bytes with two slices, 50% with one, 53% with four; capacity's all-to-all got less GEMM
+# under it with two slices (34%) than with one (56%), so capacity keeps one.
 GPU_EXCHANGE_CHUNKS = 2
 
 
 def exchange_chunks(cfg, platform: str | None = None) -> int:
-    """moe.exchange_chunks resolved: as given when set; auto (0): GPU_EXCHANGE_CHUNKS on GPUs when the mesh has an
-    `expert` axis and the dispatch exchanges rows all-to-all (capacity, dropless), else 1. On CPU every collective
-    runs synchronously (nothing to hide behind), so one exchange."""
+    """moe.exchange_chunks resolved: as given when set; auto (0): GPU_EXCHANGE_CHUNKS for dropless dispatch on GPUs
+    when the mesh has an `expert` axis, else 1 (capacity: measured above; allgather: no all-to-all; CPU: every
+    collective runs synchronously, nothing to hide behind)."""
     asked = int(cfg.moe.get("exchange_chunks", 0))
     if asked:
         return asked
-    split = _platform(platform) == "gpu" and int(cfg.mesh.expert) > 1 and cfg.moe.dispatch != "allgather"
+    split = _platform(platform) == "gpu" and int(cfg.mesh.expert) > 1 and cfg.moe.dispatch == "dropless"
     return GPU_EXCHANGE_CHUNKS if split else 1
 
 

@@ -287,7 +287,7 @@ def assumptions(topo: Topology, efficiency: float, domain_size: int, cfg=None, *
         "GPU over its own NIC); tensor all-reduces and pipeline hand-offs are not overlapped with compute, fsdp "
         "gathers and gradient sums are overlapped and only their excess over compute shows",
         "expert exchange in C slices per MoE layer (moe.exchange_chunks; auto on GPUs: "
-        f"{GPU_EXCHANGE_CHUNKS} with expert parallelism, else 1): a slice's exchange runs under the previous slice's routed-expert GEMMs, the "
+        f"{GPU_EXCHANGE_CHUNKS} for dropless with expert parallelism, else 1): a slice's exchange runs under the previous slice's routed-expert GEMMs, the "
         "first dispatch and the last return (1/C of the bytes) only under the shared experts; exposed = "
         "max(0, X/C - shared) + max(0, X (C-1)/C - routed), X the exchange time, routed/shared the expert FFNs' "
         "share of compute (as XLA:GPU schedules it with moejax's flags; docs/parallelism.md)",
