@@ -235,7 +235,7 @@ def main():
             if fmt not in ("config", *FP8_FORMATS):
                 raise ConfigError(f"--fp8 {fmt!r}: one of config, {', '.join(FP8_FORMATS)}")
         for chunks in args.exchange_chunks.split(","):
-            if chunks != "config" and not (chunks.isdigit()):
+            if chunks != "config" and not chunks.isdigit():
                 raise ConfigError(f"--exchange_chunks {chunks!r}: config or an integer >= 0")
         if args.autotune != "none":
             try:

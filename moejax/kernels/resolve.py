@@ -143,15 +143,20 @@ def _expert_gemm(cfg, platform: str, compute_capability: float | None = None) ->
 GPU_EXCHANGE_CHUNKS = 2
 
 
-def exchange_chunks(cfg, platform: str | None = None) -> int:
-    """moe.exchange_chunks resolved: as given when set; auto (0): GPU_EXCHANGE_CHUNKS for dropless dispatch on GPUs
-    when the mesh has an `expert` axis, else 1 (capacity: measured above; allgather: no all-to-all; CPU: every
-    collective runs synchronously, nothing to hide behind)."""
-    asked = int(cfg.moe.get("exchange_chunks", 0))
+def resolve_exchange_chunks(asked: int, platform: str | None, expert: int, dispatch: str) -> int:
+    """moe.exchange_chunks resolved: `asked` when set; auto (0): GPU_EXCHANGE_CHUNKS for dropless dispatch on GPUs
+    with an `expert` axis, else 1 (capacity: measured above; allgather: no all-to-all; CPU: every collective runs
+    synchronously, nothing to hide behind)."""
     if asked:
-        return asked
-    split = _platform(platform) == "gpu" and int(cfg.mesh.expert) > 1 and cfg.moe.dispatch == "dropless"
+        return int(asked)
+    split = _platform(platform) == "gpu" and expert > 1 and dispatch == "dropless"
     return GPU_EXCHANGE_CHUNKS if split else 1
+
+
+def exchange_chunks(cfg, platform: str | None = None) -> int:
+    """resolve_exchange_chunks for a config (platform None: jax's default backend)."""
+    return resolve_exchange_chunks(int(cfg.moe.get("exchange_chunks", 0)), platform, int(cfg.mesh.expert),
+                                   cfg.moe.dispatch)
 
 
 def devices_compute_capability(devices) -> float | None:

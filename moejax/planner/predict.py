@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from moejax.config import REMAT_POLICIES, ConfigError, validate
 from moejax.config.layers import layer_plan
-from moejax.kernels.resolve import GPU_EXCHANGE_CHUNKS, exchange_chunks
+from moejax.kernels.resolve import GPU_EXCHANGE_CHUNKS, resolve_exchange_chunks
 from moejax.model.accounting import (expert_ffn_macs_fractions, flops_per_token, fp8_macs_fraction,
                                      mtp_blocks_macs_fraction, pipelined_macs_fraction)
 from moejax.parallel.pipeline import bubble_fraction, chunk_slots
@@ -150,12 +150,10 @@ def predict(cfg, topo: Topology, layout: Layout, *, efficiency: float, domain_si
 
 
 def planned_exchange_chunks(cfg, layout: Layout, topo: Topology) -> int:
-    """moe.exchange_chunks as a run of this layout resolves it (kernels.resolve.exchange_chunks): the config's
-    value, or auto for the topology's devices at the layout's expert parallelism and dispatch."""
-    c = cfg.copy_and_resolve_references()
-    with c.unlocked():
-        c.mesh.expert, c.moe.dispatch = layout.expert, layout.dispatch
-    return exchange_chunks(c, "cpu" if topo.name == "cpu" else "gpu")
+    """moe.exchange_chunks as a run of this layout resolves it: the config's value, or auto for the topology's
+    devices at the layout's expert parallelism and dispatch (called per searched layout: no config copy)."""
+    return resolve_exchange_chunks(int(cfg.moe.get("exchange_chunks", 0)), "cpu" if topo.name == "cpu" else "gpu",
+                                   layout.expert, layout.dispatch)
 
 
 def stage_terms(cfg, layout: Layout, seq: int) -> tuple[float, float]:
