@@ -10,7 +10,7 @@ import ml_collections
 
 from moejax.errors import InputError
 
-MESH_AXES = ("stage", "data", "fsdp", "expert", "tensor")
+MESH_AXES = ("stage", "data", "fsdp", "context", "expert", "tensor")
 # float16 is not offered: its 5-bit exponent needs dynamic loss scaling, which moejax does not implement;
 # bfloat16 has float32's range and trains without it.
 DTYPES = ("float32", "bfloat16")
@@ -138,6 +138,10 @@ def default_config() -> ml_collections.ConfigDict:
     ms.fsdp = 1
     ms.expert = 1
     ms.tensor = 1
+    # context parallelism (docs/parallelism.md): every sequence's positions split over this many devices, each
+    # holding a front and a back piece (causal load balance); attention all-gathers MLA's latent (GQA's K/V heads)
+    # over the axis. Placed inside an NVLink domain with expert x tensor. train.seq_len must divide by 2 x context.
+    ms.context = 1
     ms.topology = "auto"  # NVLink layout (moejax/parallel/topology.py): auto = from the device kind
     ms.domain_size = 0  # devices per NVLink domain; 0: device.slice_index or the topology's (72 on NVL72)
     ms.allow_cross_domain_experts = False  # True: let an expert group span two domains (all-to-all over NICs)

@@ -120,6 +120,11 @@ def validate(cfg, n_devices: int) -> dict[str, int]:
             f"train.global_batch={t.global_batch} / batch-parallel size {batch_shards}"
         )
     _validate_pipeline(cfg, sizes, n_moe_layers)
+    if sizes["context"] > 1 and t.seq_len % (2 * sizes["context"]):
+        raise ConfigError(
+            f"train.seq_len={t.seq_len} does not split into 2 x mesh.context = {2 * sizes['context']} equal pieces "
+            f"(each context shard holds a front and a back piece); use a sequence length that divides by "
+            f"{2 * sizes['context']} or another mesh.context")
     if t.seq_len > m.max_seq_len:
         raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
     try:

@@ -14,6 +14,11 @@ attention keeping only a flash kernel's residuals (q, k, v, the output) for its 
 q [B, L, H, K], k [B, L, G, K], v [B, L, G, V] (G divides H), segment ids [B, L] or None (one document per
 row). Packed documents are contiguous runs of equal segment ids (moejax.data.packing), so "same document and
 causal" is "key position in [start of the query's document, query position]".
+
+`attention_in_ranges` is the same attention for queries that are not the keys' own positions (context parallelism,
+moejax/parallel/context.py): q [B, Q, H, K] against k, v [B, L, ...] in sequence order, each query with its key range
+[k_start, k_end) [B, Q]. The fused kernels take the ranges as they are (tokamax's `Mask(k_start, k_end)`), XLA's
+reference and cuDNN a boolean [B, 1, Q, L] built from them.
 """
 
 from __future__ import annotations
@@ -52,22 +57,40 @@ def _jax_nn(q, k, v, segment_ids_BxL, scale, implementation):
     return out[..., :v_dim]
 
 
+def _jax_nn_ranges(q, k, v, k_start_BxQ, k_end_BxQ, scale, implementation):
+    v_dim, qk_dim = v.shape[-1], q.shape[-1]
+    if v_dim != qk_dim:  # as _jax_nn
+        v = jnp.pad(v, [(0, 0)] * 3 + [(0, qk_dim - v_dim)])
+    pos_1x1x1xL = jnp.arange(k.shape[1], dtype=jnp.int32)[None, None, None, :]
+    mask = (pos_1x1x1xL >= k_start_BxQ[:, None, :, None]) & (pos_1x1x1xL < k_end_BxQ[:, None, :, None])
+    out = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation=implementation)
+    return out[..., :v_dim]
+
+
 # tokamax's implementation objects take its Mask type, which carries k_start; its public
 # `dot_product_attention` takes only a boolean mask. Keys of tokamax's implementation table:
 _TOKAMAX_IMPLEMENTATION = {"tokamax_mosaic": "mosaic_gpu", "tokamax_triton": "triton", "tokamax_xla": "xla"}
 
 
-def _tokamax(q, k, v, segment_ids_BxL, scale, kernel):
+def _tokamax_run(q, k, v, scale, kernel, **mask_fields):
     from tokamax._src.ops.attention import api, base  # optional: the `gpu` extra
 
     name = _TOKAMAX_IMPLEMENTATION[kernel]
     if name not in api.IMPLEMENTATIONS:
         raise RuntimeError(f"tokamax has no {name!r} attention here (registered: {sorted(api.IMPLEMENTATIONS)}); "
                            "for a deviceless GPU compile tokamax must be imported under its cross-compile switch")
+    return api.IMPLEMENTATIONS[name](q, k, v, bias=None, mask=base.Mask(**mask_fields), logits_scale=scale,
+                                     precision=None, logits_soft_cap=None, q_sharding=None)
+
+
+def _tokamax(q, k, v, segment_ids_BxL, scale, kernel):
     k_start = None if segment_ids_BxL is None else document_start(segment_ids_BxL)[:, None, :]  # [B, 1, Lq]
-    mask = base.Mask(k_start=k_start, is_causal=True)
-    return api.IMPLEMENTATIONS[name](q, k, v, bias=None, mask=mask, logits_scale=scale, precision=None,
-                                     logits_soft_cap=None, q_sharding=None)
+    return _tokamax_run(q, k, v, scale, kernel, k_start=k_start, is_causal=True)
+
+
+def _tokamax_ranges(q, k, v, k_start_BxQ, k_end_BxQ, scale, kernel):
+    # [B, 1, Q]: the same range for every head; no causal flag (the queries are not the keys' positions)
+    return _tokamax_run(q, k, v, scale, kernel, k_start=k_start_BxQ[:, None, :], k_end=k_end_BxQ[:, None, :])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -89,6 +112,25 @@ def _flash_residuals_bwd(scale, residuals, d_out):
 _flash_residuals.defvjp(_flash_residuals_fwd, _flash_residuals_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _flash_residuals_ranges(q, k, v, k_start_BxQ, k_end_BxQ, scale):
+    return _jax_nn_ranges(q, k, v, k_start_BxQ, k_end_BxQ, scale, "xla")
+
+
+def _flash_residuals_ranges_fwd(q, k, v, k_start_BxQ, k_end_BxQ, scale):
+    out = _jax_nn_ranges(q, k, v, k_start_BxQ, k_end_BxQ, scale, "xla")
+    return out, (q, k, v, k_start_BxQ, k_end_BxQ, out)
+
+
+def _flash_residuals_ranges_bwd(scale, residuals, d_out):
+    q, k, v, k_start_BxQ, k_end_BxQ, _ = residuals
+    _, vjp = jax.vjp(lambda q, k, v: _jax_nn_ranges(q, k, v, k_start_BxQ, k_end_BxQ, scale, "xla"), q, k, v)
+    return (*vjp(d_out), None, None)
+
+
+_flash_residuals_ranges.defvjp(_flash_residuals_ranges_fwd, _flash_residuals_ranges_bwd)
+
+
 def attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, segment_ids_BxL, scale: float, *, kernel: str):
     """softmax(q k^T * scale) v over keys that are causal and in the query's document; [B, L, H, V]."""
     if kernel == "flash_residuals":
@@ -97,4 +139,15 @@ def attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, segment_ids_BxL, scale: float, *,
         return _jax_nn(q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, segment_ids_BxL, scale, kernel)
     if kernel in _TOKAMAX_IMPLEMENTATION:
         return _tokamax(q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, segment_ids_BxL, scale, kernel)
+    raise ValueError(f"unknown attention kernel {kernel!r}")
+
+
+def attention_in_ranges(q_BxQxHxK, k_BxLxGxK, v_BxLxGxV, k_start_BxQ, k_end_BxQ, scale: float, *, kernel: str):
+    """softmax(q k^T * scale) v over each query's keys k_start <= k < k_end (sequence order); [B, Q, H, V]."""
+    if kernel == "flash_residuals":
+        return _flash_residuals_ranges(q_BxQxHxK, k_BxLxGxK, v_BxLxGxV, k_start_BxQ, k_end_BxQ, scale)
+    if kernel in ("xla", "cudnn"):
+        return _jax_nn_ranges(q_BxQxHxK, k_BxLxGxK, v_BxLxGxV, k_start_BxQ, k_end_BxQ, scale, kernel)
+    if kernel in _TOKAMAX_IMPLEMENTATION:
+        return _tokamax_ranges(q_BxQxHxK, k_BxLxGxK, v_BxLxGxV, k_start_BxQ, k_end_BxQ, scale, kernel)
     raise ValueError(f"unknown attention kernel {kernel!r}")

@@ -1,5 +1,8 @@
 """Causal self-attention: grouped-query attention (MHA, Mixtral, Qwen3 with q/k norm) and DeepSeek's
-Multi-head Latent Attention. Both take an optional document mask for packed sequences."""
+Multi-head Latent Attention. Both take an optional document mask for packed sequences (segment ids), or, with the
+sequence split over the `context` mesh axis, each query's key range (parallel/context.ContextQueries): then they
+all-gather what their keys and values are made from (MLA: the compressed latent and the shared RoPE key, GQA: the
+K/V heads) and attend from the local queries over the whole sequence."""
 
 from __future__ import annotations
 
@@ -9,17 +12,24 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from flax import nnx
 
-from moejax.kernels.attention import attention as kernel_attention
+from moejax.kernels.attention import attention as kernel_attention, attention_in_ranges
 from moejax.model.layers import RMSNorm, dtype_of, grads_in_f32, param, project
 from moejax.model.rope import apply_rope, rope_spec, softmax_scale
+from moejax.parallel.context import ContextQueries, context_size, gather_sequence, map_over_context_queries
 from moejax.parallel.mesh import map_over_batch_heads
 from moejax.remat_names import ATTENTION_OUT
 
 
-def attention_core(q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, segment_ids_BxL, scale: float, kernel: str):
-    """Causal attention within documents by `kernel` (moejax/kernels/attention.py). XLA's reference is partitioned
-    by GSPMD like any XLA op; a fused kernel is a custom call GSPMD cannot split, so it runs inside shard_map on
-    each device's batch rows and heads."""
+def attention_core(q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, documents, scale: float, kernel: str):
+    """Causal attention within documents by `kernel` (moejax/kernels/attention.py). `documents`: segment ids [B, L]
+    or None, or ContextQueries (context parallelism: q in context order, k and v whole, in sequence order). XLA's
+    reference is partitioned by GSPMD like any XLA op; a fused kernel is a custom call GSPMD cannot split, so it runs
+    inside shard_map on each device's batch rows and heads."""
+    if isinstance(documents, ContextQueries):
+        fn = functools.partial(attention_in_ranges, scale=scale, kernel=kernel)
+        out = map_over_context_queries(fn, q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, documents)
+        return checkpoint_name(out, ATTENTION_OUT)
+    segment_ids_BxL = documents
     fn = functools.partial(kernel_attention, scale=scale, kernel=kernel)
     if kernel == "xla":
         out = fn(q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, segment_ids_BxL)
@@ -55,6 +65,9 @@ class GQAttention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, positions_BxL, self.rope)
         k = apply_rope(k, positions_BxL, self.rope)
+        if isinstance(segment_ids_BxL, ContextQueries):  # the K/V heads of the whole sequence on every context shard
+            parts = context_size()
+            k, v = (gather_sequence(a, parts, trailing=("kv_heads",)) for a in (k, v))
         out_BxLxHxK = attention_core(q, k, v, segment_ids_BxL, self.scale, self.kernel)
         return project("blhk,hkd->bld", out_BxLxHxK, self.w_o_HxKxD[...], f32_grad=self.f32_grad)
 
@@ -101,10 +114,17 @@ class MLAttention(nnx.Module):
         q = jnp.concatenate([q_nope, apply_rope(q_rope, positions_BxL, self.rope)], axis=-1)
 
         c_BxLxC = self.kv_norm(project("bld,dc->blc", x_BxLxD, self.w_kva_DxC[...], f32_grad=self.f32_grad))
-        k_nope = project("blc,chn->blhn", c_BxLxC, self.w_kb_CxHxN[...], f32_grad=self.f32_grad)
-        v = project("blc,chv->blhv", c_BxLxC, self.w_vb_CxHxV[...], f32_grad=self.f32_grad)
         k_rope_BxLx1xR = project("bld,dr->blr", x_BxLxD, self.w_kr_DxR[...], f32_grad=self.f32_grad)[:, :, None, :]
         k_rope_BxLx1xR = apply_rope(k_rope_BxLx1xR, positions_BxL, self.rope)
+        if isinstance(segment_ids_BxL, ContextQueries):
+            # The whole sequence's latent and RoPE key on every context shard, one all-gather of C + R values per
+            # token (576 for DeepSeek-V3, against 128 x (192 + 128) for its expanded K and V); expanded locally.
+            c_rope_BxLxCR = gather_sequence(jnp.concatenate([c_BxLxC, k_rope_BxLx1xR[:, :, 0]], axis=-1),
+                                            context_size())
+            latent = c_BxLxC.shape[-1]
+            c_BxLxC, k_rope_BxLx1xR = c_rope_BxLxCR[..., :latent], c_rope_BxLxCR[..., None, latent:]
+        k_nope = project("blc,chn->blhn", c_BxLxC, self.w_kb_CxHxN[...], f32_grad=self.f32_grad)
+        v = project("blc,chv->blhv", c_BxLxC, self.w_vb_CxHxV[...], f32_grad=self.f32_grad)
         k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope_BxLx1xR, (*k_nope.shape[:3], k_rope_BxLx1xR.shape[-1]))],
                             axis=-1)
         out_BxLxHxV = attention_core(q, k, v, segment_ids_BxL, self.scale, self.kernel)

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from moejax.kernels.cross_entropy import chunked_cross_entropy, dense_cross_entropy
 from moejax.model.moe import MoEStats, combine_micro_stats
 from moejax.model.transformer import shift_left
+from moejax.parallel.context import context_size, fold_context_into_rows, to_context_order
 from moejax.parallel.mesh import constrain
 
 
@@ -43,12 +44,19 @@ def _constrain_logits(logits_BxLxV):
     return constrain(logits_BxLxV, ("batch", "seq", "vocab"))
 
 
-def head_cross_entropy(kernel: str, h_BxLxD, w_DxV, targets_BxL, *, chunk: int):
-    """Per-position nll [B, L] (f32) of the LM head w over h, by the loss kernel `kernel` (dense | chunked)."""
+def _constrain_folded_logits(logits_RxLxV):
+    # Rows of one context shard's positions (parallel/context.fold_context_into_rows): rows over token_axes().
+    return constrain(logits_RxLxV, ("token_rows", None, "vocab"))
+
+
+def head_cross_entropy(kernel: str, h_BxLxD, w_DxV, targets_BxL, *, chunk: int, folded: bool = False):
+    """Per-position nll [B, L] (f32) of the LM head w over h, by the loss kernel `kernel` (dense | chunked).
+    folded: h's rows are context shards' positions (fold_context_into_rows)."""
+    constrain_logits = _constrain_folded_logits if folded else _constrain_logits
     if kernel == "dense":
-        return dense_cross_entropy(h_BxLxD, w_DxV, targets_BxL, constrain_logits=_constrain_logits)
+        return dense_cross_entropy(h_BxLxD, w_DxV, targets_BxL, constrain_logits=constrain_logits)
     if kernel == "chunked":
-        return chunked_cross_entropy(h_BxLxD, w_DxV, targets_BxL, chunk=chunk, constrain_logits=_constrain_logits)
+        return chunked_cross_entropy(h_BxLxD, w_DxV, targets_BxL, chunk=chunk, constrain_logits=constrain_logits)
     raise ValueError(f"unknown loss kernel {kernel!r} (kernels.loss: dense | chunked)")
 
 
@@ -90,9 +98,16 @@ def lm_loss(model, tokens_BxL1, segment_ids_BxL1=None, *, mtp_weight: float = 0.
     segments = segment_ids_BxL1 if segment_ids_BxL1 is not None else jnp.zeros_like(tokens_BxL1)
     out = model.hidden(tokens_BxL1[:, :-1], None if segment_ids_BxL1 is None else segment_ids_BxL1[:, :-1])
     w_DxV = model.head_DxV[...]  # as stored (f32): the kernels compute in h's dtype and return an f32 gradient
+    # With the sequence split over `context` the hidden states are in context order: the targets and masks are put
+    # in the same order, and each shard's positions become rows of their own, so the chunked loss scans local
+    # positions (a mean over positions does not care about their order).
+    parts = context_size()
 
     def ce_of(h_BxLxD, targets_BxL, mask_BxL):
-        nll_BxL = head_cross_entropy(model.loss_kernel, h_BxLxD, w_DxV, targets_BxL, chunk=model.loss_chunk)
+        h_BxLxD, targets_BxL, mask_BxL = (fold_context_into_rows(a, parts) for a in (
+            h_BxLxD, to_context_order(targets_BxL, parts), to_context_order(mask_BxL, parts)))
+        nll_BxL = head_cross_entropy(model.loss_kernel, h_BxLxD, w_DxV, targets_BxL, chunk=model.loss_chunk,
+                                     folded=parts > 1)
         return masked_mean(nll_BxL, mask_BxL)
 
     ce = ce_of(out.h_BxLxD, tokens_BxL1[:, 1:], target_mask(segments, 0))

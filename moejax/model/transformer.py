@@ -29,6 +29,7 @@ from moejax.model.attention import make_attention
 from moejax.model.layers import LAYERS_AXIS_METADATA, MLP, Embed, RMSNorm, dtype_of, grads_in_f32, param, project
 from moejax.model.moe import MoE, MoEStats, combine_micro_stats
 from moejax.model.rope import segment_positions
+from moejax.parallel.context import context_queries, context_size, gather_sequence, to_context_order
 from moejax.parallel.mesh import constrain, current_mesh, inside_stage
 from moejax.remat_names import ATTENTION_OUT, EXPERT_EXCHANGE, EXPERT_GEMM
 from moejax.parallel.pipeline import (chunk_slots, circular_pipeline, layer_slots, merge_micro_batches,
@@ -296,17 +297,24 @@ class Transformer(nnx.Module):
                          ("batch", "seq", "vocab"))
 
     def __call__(self, tokens_BxL, segment_ids_BxL=None) -> ModelOutput:
-        """Logits in the compute dtype. With segment ids (packed documents), positions restart in each
-        document and attention never crosses a document boundary."""
+        """Logits in the compute dtype, in sequence order. With segment ids (packed documents), positions restart in
+        each document and attention never crosses a document boundary."""
         out = self.hidden(tokens_BxL, segment_ids_BxL)
         if self.pipelined and out.stats is not None:
             out = out._replace(stats=combine_micro_stats(out.stats))
-        mtp_logits = None if out.mtp_h_DxBxLxD is None else jnp.stack([self.logits(h) for h in out.mtp_h_DxBxLxD])
-        return ModelOutput(self.logits(out.h_BxLxD), mtp_logits, out.stats)
+        parts = context_size()  # hidden states in context order: the logits back in sequence order
+
+        def logits(h_BxLxD):
+            return gather_sequence(self.logits(h_BxLxD), parts, trailing=("vocab",))
+
+        mtp_logits = None if out.mtp_h_DxBxLxD is None else jnp.stack([logits(h) for h in out.mtp_h_DxBxLxD])
+        return ModelOutput(logits(out.h_BxLxD), mtp_logits, out.stats)
 
     def hidden(self, tokens_BxL, segment_ids_BxL=None) -> HiddenOutput:
         """The forward pass up to (not including) the LM head: what the loss kernels (model/loss.py) read. With
-        model.fp8 its projections and expert GEMMs read FP8 inputs; the head (logits) stays in the compute dtype."""
+        model.fp8 its projections and expert GEMMs read FP8 inputs; the head (logits) stays in the compute dtype.
+        tokens and segment ids in sequence order; with the sequence split over `context` (parallel/context.py) the
+        hidden states come out in context order, split over it."""
         with fp8.gemms_in(self.fp8):
             return self._hidden(tokens_BxL, segment_ids_BxL)
 
@@ -316,7 +324,10 @@ class Transformer(nnx.Module):
             positions_BxL = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
         else:
             positions_BxL = segment_positions(segment_ids_BxL)
-        x_BxLxD = constrain(self.embed(tokens_BxL, self.dtype), ACT_BxLxD)
+        parts = context_size()
+        if parts > 1:  # every layer works on context-ordered positions; attention reads each query's key range
+            segment_ids_BxL, positions_BxL = context_queries(positions_BxL, parts)
+        x_BxLxD = constrain(self.embed(to_context_order(tokens_BxL, parts), self.dtype), ACT_BxLxD)
         if self.pipelined:  # the dense layers all come first (check_pipeline_layers)
             if self.dense_layers is not None:
                 x_BxLxD, _ = _run_stack(self.dense_layers, x_BxLxD, positions_BxL, segment_ids_BxL, self.remat)
@@ -335,11 +346,13 @@ class Transformer(nnx.Module):
 
     def _mtp(self, mtp, embed, h_BxLxD, tokens_BxL, positions_BxL, segment_ids_BxL):
         """The MTP modules in sequence on the main model's last hidden state: ([depth, B, L, D] normed hidden
-        states or None, their MoE statistics)."""
+        states or None, their MoE statistics). tokens_BxL in sequence order (the shift is along the sequence), the
+        rest as the layers see them (context order with context parallelism)."""
         mtp_hidden, mtp_stats = [], []
         run = _remat(lambda mod, h, e, p, s: mod(h, e, p, s), self.remat)
+        parts = context_size()
         for k, module in enumerate(mtp, start=1):
-            next_emb = embed(shift_left(tokens_BxL, k), self.dtype)
+            next_emb = embed(to_context_order(shift_left(tokens_BxL, k), parts), self.dtype)
             h_BxLxD, normed_BxLxD, s = run(module, h_BxLxD, next_emb, positions_BxL, segment_ids_BxL)
             mtp_hidden.append(normed_BxLxD)
             if s is not None:
@@ -376,12 +389,13 @@ class Transformer(nnx.Module):
         rounds = -(-n_micro // n_stages)
         take = np.arange(rounds * n_stages) % n_micro  # padded micro-batch j = r S + s runs on stage s
 
-        def by_stage(a):  # [M, ...] -> [S, rounds, ...], dim 0 split over `stage`
-            if a is None:
-                return None
-            a = a[take].reshape(rounds, n_stages, *a.shape[1:]).swapaxes(0, 1)
-            spec = P("stage", *[P.UNCONSTRAINED] * (a.ndim - 1))
-            return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, spec))
+        def by_stage(tree):  # [M, ...] -> [S, rounds, ...], dim 0 split over `stage` (each array of a pytree)
+            def one(a):
+                a = a[take].reshape(rounds, n_stages, *a.shape[1:]).swapaxes(0, 1)
+                spec = P("stage", *[P.UNCONSTRAINED] * (a.ndim - 1))
+                return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, spec))
+
+            return jax.tree.map(one, tree)
 
         def in_order(a):  # [S, rounds, ...] -> [M, ...]
             return a.swapaxes(0, 1).reshape(rounds * n_stages, *a.shape[2:])[:n_micro]
@@ -407,8 +421,8 @@ class Transformer(nnx.Module):
         alike (replicated over `stage`, as their MoE statistics are per pass: [M, rows, ...])."""
         n_micro = self.micro_batches
         side = {"positions": micro_batches(positions_BxL, n_micro)}
-        if segment_ids_BxL is not None:
-            side["segments"] = micro_batches(segment_ids_BxL, n_micro)
+        if segment_ids_BxL is not None:  # segment ids, or ContextQueries
+            side["segments"] = jax.tree.map(lambda a: micro_batches(a, n_micro), segment_ids_BxL)
         graphdef, state = nnx.split(self.moe_layers)
         chunks = _as_chunks(state, self.stages, self.virtual_stages)
         is_layer_VxSxC = slot_is_layer(self.n_moe, self.stages, self.virtual_stages)

@@ -1,8 +1,8 @@
 """Which device sits at each mesh coordinate, given each device's NVLink domain.
 
 Pure Python on objects with `id` and `process_index` (real jax devices or test stand-ins), so the layout
-can be checked for 144 devices without having them. The rule: `expert` and `tensor` (the axes whose
-collectives run every layer: all-to-all dispatch, tensor all-reduces) are laid out inside one domain;
+can be checked for 144 devices without having them. The rule: `context`, `expert` and `tensor` (the axes whose
+collectives run every layer: context all-gathers, all-to-all dispatch, tensor all-reduces) are laid out inside one domain;
 `data` and `fsdp` take the remaining positions inside a domain (fsdp first: its gathers run every layer,
 data's reduction once a step) and then span domains. `stage` (pipeline stages: one activation hand-off per
 micro-batch and stage, point to point) is outermost: each stage takes whole domains, or, with more stages than
@@ -37,10 +37,10 @@ def _by_domain(devices, domains) -> list[list]:
 
 def hybrid_device_grid(sizes: dict[str, int], devices, domains, *, allow_cross_domain: bool = False,
                        where: str = "") -> np.ndarray:
-    """Object array of shape [stage, data, fsdp, expert, tensor] of the devices; expert x tensor groups inside one
-    domain, stages across domains. `where` names the topology in error messages."""
+    """Object array of shape [stage, data, fsdp, context, expert, tensor] of the devices; context x expert x tensor
+    groups inside one domain, stages across domains. `where` names the topology in error messages."""
     n = len(devices)
-    sizes = {"stage": 1, **sizes}  # a layout without pipeline stages may leave the axis out
+    sizes = {"stage": 1, "context": 1, **sizes}  # a layout without stages or context split may leave them out
     if math.prod(sizes[a] for a in MESH_AXES) != n:
         raise MeshLayoutError(f"mesh axes {sizes} multiply to {math.prod(sizes.values())}, not {n} devices")
     stages = sizes["stage"]
@@ -73,12 +73,12 @@ def _stages_inside_domains(sizes, by_domain, where: str) -> list[list[list]]:
 
 
 def _stage_grid(sizes: dict[str, int], devices, domains, *, allow_cross_domain: bool, where: str) -> np.ndarray:
-    """One stage's devices as an object array [data, fsdp, expert, tensor]; expert x tensor groups inside one
-    domain."""
+    """One stage's devices as an object array [data, fsdp, context, expert, tensor]; context x expert x tensor
+    groups inside one domain."""
     by_domain = _by_domain(devices, domains)
     flat = [d for group in by_domain for d in group]
     shape = tuple(sizes[a] for a in MESH_AXES if a != "stage")
-    inner = sizes["expert"] * sizes["tensor"]
+    inner = sizes["context"] * sizes["expert"] * sizes["tensor"]
     counts = sorted({len(g) for g in by_domain})
     per_domain = counts[0]
     fits = len(counts) == 1 and per_domain % inner == 0
@@ -90,8 +90,9 @@ def _stage_grid(sizes: dict[str, int], devices, domains, *, allow_cross_domain: 
                 f"NVLink domains hold different numbers of devices ({', '.join(map(str, counts))}){where}: "
                 "launch the same number of devices per domain, set mesh.domain_size, or set "
                 "mesh.allow_cross_domain_experts=True")
+        context = f"mesh.context={sizes['context']} x " if sizes["context"] > 1 else ""
         raise MeshLayoutError(
-            f"mesh.expert={sizes['expert']} x mesh.tensor={sizes['tensor']} = {inner} devices per expert group "
+            f"{context}mesh.expert={sizes['expert']} x mesh.tensor={sizes['tensor']} = {inner} devices per expert group "
             f"does not divide the {per_domain} devices of an NVLink domain ({len(by_domain)} domains{where}): "
             "some group would span two domains and its all-to-all would cross the NICs; use expert x tensor "
             f"dividing {per_domain} ({', '.join(map(str, _divisors(per_domain)))}), launch a device count per "
@@ -105,8 +106,8 @@ def _stage_grid(sizes: dict[str, int], devices, domains, *, allow_cross_domain: 
             f"mesh.data={sizes['data']} x mesh.fsdp={sizes['fsdp']} cannot fill {slots} positions per domain "
             f"and {len(by_domain)} domains{where}; make mesh.fsdp or mesh.data a multiple of {slots}")
     data_out, fsdp_out = sizes["data"] // data_in, sizes["fsdp"] // fsdp_in
-    grid = _object_array(flat).reshape(data_out, fsdp_out, data_in, fsdp_in, sizes["expert"], sizes["tensor"])
-    return grid.transpose(0, 2, 1, 3, 4, 5).reshape(shape)
+    grid = _object_array(flat).reshape(data_out, fsdp_out, data_in, fsdp_in, inner)
+    return grid.transpose(0, 2, 1, 3, 4).reshape(shape)
 
 
 def _object_array(items) -> np.ndarray:

@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from moejax.kernels import grouped_gemm
 from moejax.parallel import dropless
-from moejax.parallel.mesh import EXPERT_AXIS, FFN_AXIS, FSDP_AXIS, batch_axes, current_mesh, inside_pipeline_stage
+from moejax.parallel.mesh import EXPERT_AXIS, FFN_AXIS, FSDP_AXIS, current_mesh, inside_pipeline_stage, token_axes
 from moejax.parallel.routing_plan import combine_rows, dispatch_rows, make_plan
 from moejax.remat_names import EXPERT_EXCHANGE
 
@@ -74,7 +74,7 @@ def _plan(expert_idx_TxK, expert_w_TxK, n_experts, capacity, drop_policy):
 def _stats(counts_E, dropped, assignments, collective: bool, rounds=1) -> DispatchStats:
     counts_E, dropped, assignments = counts_E.astype(jnp.int32), dropped.astype(jnp.int32), jnp.int32(assignments)
     if collective:
-        counts_E, dropped, assignments = jax.lax.psum((counts_E, dropped, assignments), batch_axes())
+        counts_E, dropped, assignments = jax.lax.psum((counts_E, dropped, assignments), token_axes())
     return DispatchStats(counts_E, dropped, assignments, jnp.asarray(rounds, jnp.int32))
 
 
@@ -241,12 +241,12 @@ def routed_experts(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF
                        collective=False, ffn_axis=None, chunks=exchange_chunks)
 
     ep = mesh.shape[EXPERT_AXIS]
-    batch_shards = math.prod(mesh.shape[a] for a in batch_axes())
+    batch_shards = math.prod(mesh.shape[a] for a in token_axes())
     if x_TxD.shape[0] % batch_shards:
         raise ValueError(f"{x_TxD.shape[0]} tokens do not split over {batch_shards} batch shards")
     capacity = _buffer_rows(mode, x_TxD.shape[0] // batch_shards, top_k, n_experts, ep, capacity_factor,
                             dropless_window, gemm)
-    tokens = P(batch_axes(), None)
+    tokens = P(token_axes(), None)
     # Expert weights enter as stored: split over `expert`, over fsdp on d_model, and over the tensor axis on the
     # FFN dim; inside, they are cast and all-gathered over fsdp (_weights_for_compute). Tokens are replicated over
     # tensor, so each tensor rank computes its FFN slice and the down projection is psum'd over tensor.
@@ -254,7 +254,7 @@ def routed_experts(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF
     w_in = P(EXPERT_AXIS, FSDP_AXIS, ffn_axis)  # gate, up: [E, D, F]
     w_out = P(EXPERT_AXIS, ffn_axis, FSDP_AXIS)  # down: [E, F, D]
     stats_spec = DispatchStats(P(), P(), P(), P())
-    replicas = tuple(a for a in batch_axes() if a not in (EXPERT_AXIS, FSDP_AXIS) and mesh.shape[a] > 1)
+    replicas = tuple(a for a in token_axes() if a not in (EXPERT_AXIS, FSDP_AXIS) and mesh.shape[a] > 1)
     fsdp = mesh.shape[FSDP_AXIS]
 
     typed = not _untyped_dispatch(mesh, mode, gemm)

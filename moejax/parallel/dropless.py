@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from moejax.kernels import fp8, grouped_gemm
 from moejax.kernels.varying import int_cotangent as _int_cotangent
-from moejax.parallel.mesh import EXPERT_AXIS, batch_axes, inside_pipeline_stage
+from moejax.parallel.mesh import EXPERT_AXIS, inside_pipeline_stage, token_axes
 from moejax.parallel.routing_plan import combine_rows, dispatch_rows
 from moejax.remat_names import EXPERT_EXCHANGE
 
@@ -117,7 +117,7 @@ def trace_how() -> How:
     if in_stage and platform is None:
         raise ValueError("dropless dispatch inside pipeline stages needs the mesh's device platform (a mesh of "
                          "devices under jax.set_mesh); the abstract mesh here names none")
-    return How(platform, batch_axes(), in_stage)
+    return How(platform, token_axes(), in_stage)
 
 
 def _excl_cumsum(x, axis=0):

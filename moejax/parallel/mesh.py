@@ -23,6 +23,7 @@ from moejax.parallel.topology import detect_topology, device_domains, get_topolo
 BATCH_AXES = ("data", "fsdp", "expert")
 STAGE_AXIS = "stage"
 EXPERT_AXIS = "expert"
+CONTEXT_AXIS = "context"  # a sequence's positions (logical "seq"): parallel/context.py
 FSDP_AXIS = "fsdp"  # parameters' d_model ("embed") split (LOGICAL_RULES["embed"])
 FFN_AXIS = "tensor"  # expert FFN slices inside the dispatch shard_map (LOGICAL_RULES["expert_mlp"])
 
@@ -48,6 +49,12 @@ def batch_axes() -> tuple[str, ...]:
     return BATCH_AXES if _INSIDE_STAGE.get() else (*BATCH_AXES, STAGE_AXIS)
 
 
+def token_axes() -> tuple[str, ...]:
+    """The mesh axes a [B * L] row of flattened tokens is split over: batch_axes() for the rows, then `context` for
+    each row's positions (major to minor, as a [B, L] array split (batch_axes(), context) flattens)."""
+    return (*batch_axes(), CONTEXT_AXIS)
+
+
 def inside_pipeline_stage(mesh) -> bool:
     """Traced inside the pipeline's stages (mesh.stage > 1 and inside_stage()): under its vmap over `stage`."""
     return mesh.shape.get(STAGE_AXIS, 1) > 1 and STAGE_AXIS not in batch_axes()
@@ -56,8 +63,9 @@ def inside_pipeline_stage(mesh) -> bool:
 LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     # activations
     "batch": BATCH_AXES,  # resolved by batch_axes() where it is used (logical_to_spec)
-    "seq": None,
+    "seq": CONTEXT_AXIS,  # context parallelism: each device holds a front and a back piece (parallel/context.py)
     "act_embed": None,
+    "token_rows": BATCH_AXES + (CONTEXT_AXIS,),  # rows of flattened positions: token_axes() where it is used
     # parameters
     "vocab": "tensor",
     "embed": FSDP_AXIS,
@@ -114,7 +122,7 @@ def logical_to_spec(names) -> P:
             continue
         if name not in LOGICAL_RULES:
             raise KeyError(f"logical axis {name!r} has no rule in moejax.parallel.mesh.LOGICAL_RULES")
-        out.append(batch_axes() if name == "batch" else LOGICAL_RULES[name])
+        out.append(batch_axes() if name == "batch" else token_axes() if name == "token_rows" else LOGICAL_RULES[name])
     return P(*out)
 
 
@@ -133,17 +141,18 @@ def constrain(x, names):
     return jax.lax.with_sharding_constraint(x, logical_to_spec(names))
 
 
-def map_over_batch(fn, *arrays_BxN):
-    """fn applied to each device's batch shard (leading dim) inside shard_map; plain call without a mesh.
+def map_over_batch(fn, *arrays_BxLxN):
+    """fn applied to each device's rows and positions ([B, L, ...] split like activations) inside shard_map; plain
+    call without a mesh.
 
     For per-token ops GSPMD cannot partition: XLA replicates lax.top_k (all-gathering its input) rather
     than splitting it over the batch.
     """
     mesh = current_mesh()
     if mesh is None:
-        return fn(*arrays_BxN)
-    spec = P(batch_axes())
-    return jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * len(arrays_BxN), out_specs=spec)(*arrays_BxN)
+        return fn(*arrays_BxLxN)
+    spec = P(batch_axes(), CONTEXT_AXIS)
+    return jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * len(arrays_BxLxN), out_specs=spec)(*arrays_BxLxN)
 
 
 def map_over_batch_heads(fn, q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, segment_ids_BxL=None):
@@ -169,5 +178,6 @@ def named_sharding(mesh: Mesh, names) -> NamedSharding:
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Sharding of a [batch, seq] token array."""
-    return named_sharding(mesh, ("batch", "seq"))
+    """Sharding of a [batch, seq] token array as the data pipeline delivers it: rows split, each row whole (its L + 1
+    tokens do not split over `context`; the model puts the positions in context order itself, a few bytes a token)."""
+    return named_sharding(mesh, ("batch", None))

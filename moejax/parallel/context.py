@@ -1,0 +1,112 @@
+"""Context parallelism: every sequence's positions split over the `context` mesh axis for the whole step.
+
+The model works on the positions in *context order*: the sequence cut into 2 C equal pieces, context shard i
+holding pieces i and 2 C - 1 - i (a front and a back piece). Under causal attention the work of a query grows with
+its position, so each shard gets the same work (Megatron-Core's and TorchTitan's load-balanced causal split).
+Per-token work (embedding, norms, projections, the MoE dispatch, the loss) does not care about the order; the order
+is applied once to the token ids, positions and targets where the model starts (`to_context_order`), and attention
+is the one place that sees other shards' positions: it all-gathers what its keys are made from (MLA's compressed
+latent and shared RoPE key, GQA's K/V heads) over `context` and puts them back in sequence order
+(`gather_sequence`); each shard's queries then attend over the whole sequence with their key range [start of the
+query's document, query position] (`ContextQueries`), which is causality and the document mask in one.
+
+RoPE/YaRN read the positions computed on the whole sequence before the reorder (global positions, restarting per
+packed document as without context parallelism). With context 1 none of this runs: the order is the identity.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax.sharding import PartitionSpec as P
+
+from moejax.parallel.mesh import CONTEXT_AXIS, batch_axes, constrain, current_mesh
+
+
+class ContextQueries(NamedTuple):
+    """Each query position's key range in sequence order, [B, L] in context order: keys k with
+    start_BxL <= k <= index_BxL (the first position of the query's document, the query's own position)."""
+
+    start_BxL: jax.Array
+    index_BxL: jax.Array
+
+
+def context_size() -> int:
+    """Size of the `context` mesh axis where this is traced (1 without a mesh)."""
+    mesh = current_mesh()
+    return 1 if mesh is None else int(mesh.shape.get(CONTEXT_AXIS, 1))
+
+
+def check_sequence_split(seq: int, parts: int) -> None:
+    if seq % (2 * parts):
+        raise ValueError(f"a sequence of {seq} positions does not split into 2 x context = {2 * parts} equal pieces "
+                         f"(mesh.context={parts}): use a train.seq_len that divides by {2 * parts}")
+
+
+def balanced_order(seq: int, parts: int) -> np.ndarray:
+    """[seq] sequence positions in context order: shard i (of `parts`) holds pieces i and 2 parts - 1 - i of
+    2 parts equal pieces, in that order."""
+    check_sequence_split(seq, parts)
+    pieces = np.arange(seq).reshape(2 * parts, seq // (2 * parts))
+    return np.concatenate([np.concatenate([pieces[i], pieces[2 * parts - 1 - i]]) for i in range(parts)])
+
+
+def to_context_order(a_BxL, parts: int, names=("batch", "seq")):
+    """[B, L, ...] in sequence order -> context order, split over `context` (a static gather: the arrays it takes
+    are replicated over `context`, so each shard picks its own positions)."""
+    if parts == 1:
+        return a_BxL
+    order = balanced_order(a_BxL.shape[1], parts)
+    return constrain(jnp.take(a_BxL, order, axis=1), (*names, *[None] * (a_BxL.ndim - len(names))))
+
+
+def context_queries(positions_BxL, parts: int) -> tuple[ContextQueries, jax.Array]:
+    """(each query's key range, the positions), in context order. positions_BxL: sequence order, each token's
+    position in its document (restarting at every packed document), so a document starts at index - position."""
+    index_BxL = jnp.broadcast_to(jnp.arange(positions_BxL.shape[1], dtype=jnp.int32), positions_BxL.shape)
+    queries = ContextQueries(to_context_order(index_BxL - positions_BxL, parts), to_context_order(index_BxL, parts))
+    return queries, to_context_order(positions_BxL, parts)
+
+
+def gather_sequence(x_BxLxN, parts: int, trailing=()):
+    """[B, L, ...] in context order, split over `context` -> all-gathered over `context`, in sequence order, whole
+    on every shard (the backward: the matching reduce-scatter). What attention's keys and values are made from.
+    `trailing`: logical names of the dims after L (default: whole)."""
+    if parts == 1:
+        return x_BxLxN
+    trailing = tuple(trailing) + (None,) * (x_BxLxN.ndim - 2 - len(trailing))
+    whole = constrain(x_BxLxN, ("batch", None, *trailing))
+    inverse = np.argsort(balanced_order(x_BxLxN.shape[1], parts))
+    return constrain(jnp.take(whole, inverse, axis=1), ("batch", None, *trailing))
+
+
+def fold_context_into_rows(a_BxL, parts: int):
+    """[B, L, ...] in context order -> [B parts, L / parts, ...]: each context shard's positions as rows of their own
+    (no data moves: the split (batch, context) becomes the rows' split over token_axes()). For work that scans the
+    positions, such as the chunked loss, which would otherwise scan a dim split over devices."""
+    if parts == 1:
+        return a_BxL
+    b, seq = a_BxL.shape[:2]
+    return constrain(a_BxL.reshape(b * parts, seq // parts, *a_BxL.shape[2:]),
+                     ("token_rows", *[None] * (a_BxL.ndim - 1)))
+
+
+def map_over_context_queries(fn, q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, queries: ContextQueries):
+    """fn(q, k, v, k_start, k_end) on each device's rows, heads (split over `tensor` when both head counts divide by
+    it) and queries (its context pieces, in context order) against the whole sequence's keys and values (sequence
+    order), inside shard_map. A fused kernel is a custom call GSPMD cannot split; XLA's reference runs here too, so
+    both see the same local shapes."""
+    mesh = current_mesh()
+    start_BxL, end_BxL = queries.start_BxL, queries.index_BxL + 1
+    if mesh is None:
+        return fn(q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, start_BxL, end_BxL)
+    tensor = mesh.shape["tensor"]
+    heads = "tensor" if q_BxLxHxK.shape[2] % tensor == 0 and k_BxLxGxK.shape[2] % tensor == 0 else None
+    rows = batch_axes()
+    q_spec, kv_spec, range_spec = P(rows, CONTEXT_AXIS, heads, None), P(rows, None, heads, None), P(rows, CONTEXT_AXIS)
+    return jax.shard_map(fn, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, range_spec, range_spec), out_specs=q_spec,
+                         check_vma=False)(q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, start_BxL, end_BxL)
