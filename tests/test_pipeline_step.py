@@ -69,9 +69,11 @@ def in_layer_order(cfg, path, value):
     (2, 1, 3, 8, {"expert": 2, "tensor": 2}, "capacity"),
     # 4 micro-batches in passes of 2 (mesh.pipeline_in_flight): the gradient accumulated over the two passes
     (2, 2, 4, 8, {"expert": 2, "tensor": 2, "pipeline_in_flight": 2}, "capacity"),
+    # context parallelism inside the stages: sequences split over 2 devices, MTP passes split over the stages
+    (2, 1, 2, 8, {"context": 2, "expert": 2}, "dropless"),
 ], ids=["pp2-data2xexpert2", "pp2xvp2-expert2xtensor2", "pp4-allgather", "pp4xvp2", "pp2xvp3-7-layers",
         "pp4-6-layers", "pp2xvp2-data2-dropless", "pp4-dropless-overflow", "pp2-3-micro-batches",
-        "pp2xvp2-2-in-flight"])
+        "pp2xvp2-2-in-flight", "pp2-context2xexpert2-dropless"])
 def test_pipelined_step_equals_one_device(devices, stages, virtual, micro, n_moe, axes, dispatch):
     rows = 12 if micro == 3 else 8
     tokens = np.random.default_rng(100 * stages + 10 * virtual + micro + n_moe).integers(0, 259, size=(rows, 17),

@@ -35,8 +35,8 @@ flags.DEFINE_string("remat", ",".join(REMAT_POLICIES), "remat policies to consid
 flags.DEFINE_string("dispatch", None, "dispatch modes to consider (default: the config's)", flag_values=FLAGS)
 flags.DEFINE_integer("top", 5, "layouts to show per GPU count", flag_values=FLAGS)
 flags.DEFINE_multi_string("layout", [], "a layout to rank among the searched ones and explain, e.g. NVIDIA's "
-                          "record: pp=2,vp=8,ep=32,data=4,remat=full,mb=1 (fields: data fsdp expert|ep tensor|tp "
-                          "stage|pp virtual|vp remat mb dispatch; unnamed axes 1)", flag_values=FLAGS)
+                          "record: pp=2,vp=8,ep=32,data=4,remat=full,mb=1 (fields: data fsdp context|cp expert|ep "
+                          "tensor|tp stage|pp virtual|vp remat mb dispatch; unnamed axes 1)", flag_values=FLAGS)
 
 PROG = "moejax-plan"
 

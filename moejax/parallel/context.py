@@ -79,7 +79,10 @@ def gather_sequence(x_BxLxN, parts: int, trailing=()):
     if parts == 1:
         return x_BxLxN
     trailing = tuple(trailing) + (None,) * (x_BxLxN.ndim - 2 - len(trailing))
-    whole = constrain(x_BxLxN, ("batch", None, *trailing))
+    # Pinned split first: GSPMD would otherwise meet the whole-sequence constraint by all-gathering the producer's
+    # input instead (measured: GQA's hidden states, D values per position, rather than its K/V heads).
+    local = constrain(x_BxLxN, ("batch", "seq", *trailing))
+    whole = constrain(local, ("batch", None, *trailing))
     inverse = np.argsort(balanced_order(x_BxLxN.shape[1], parts))
     return constrain(jnp.take(whole, inverse, axis=1), ("batch", None, *trailing))
 

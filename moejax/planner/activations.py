@@ -21,6 +21,13 @@ so MHA/GQA/MLA/MoE/MTP need no formulas:
 `layer` and `logits` are transients of different phases (the loss, the layers' backward): the peak holds
 the larger of the two.
 
+Context parallelism (context > 1): a device holds seq_len / context positions of each sequence, so all three are
+traced at those positions (the chunked loss scans a device's own positions too); what attention holds of the whole
+sequence (the gathered latent or K/V heads and the keys and values expanded from them, saved or rematerialised,
+and their gradients) is added from planner/context.py: per layer to `saved`, and as `context_kv` for the layer
+being differentiated. Flash kernels keep no L x L scores; XLA's reference attention (CPU) scores each local query
+against the whole sequence, so its [.., L / C, L / C] residuals of the trace count C times.
+
 Expert parallelism: the trace runs under an abstract mesh with the layout's `expert` axis (every other axis
 1) and ep x micro_batch sequences, so the MoE code sizes its buffers as it does on ep devices (a dropless
 receive buffer holds ep x T x min(K, E_local) rows, allgather gathers the group's tokens) instead of as if
@@ -53,6 +60,7 @@ from moejax.config import MESH_AXES
 from moejax.config.layers import layer_plan
 from moejax.model.loss import lm_loss
 from moejax.model.transformer import Block, _remat
+from moejax.planner.context import attention_layers, context_activations
 from moejax.planner.state_shapes import state_leaves
 from moejax.program.state import create_model
 
@@ -65,10 +73,11 @@ class ActivationBytes:
     layer: int  # one block's rematerialised internals during its backward
     logits: int  # the loss over the vocabulary (logits, log-softmax, one head's gradient)
     moe_layer: int = 0  # of `saved`: what one MoE block keeps (the scan stacks it per layer; pipeline stages per tick)
+    context_kv: int = 0  # context > 1: the layer being differentiated's whole-sequence K/V beyond the local trace
 
     @property
     def transient(self) -> int:
-        return max(self.layer, self.logits)
+        return max(self.layer + self.context_kv, self.logits)
 
 
 def trace_config(cfg, *, remat: str, dispatch: str | None = None, platform: str = "gpu"):
@@ -164,26 +173,35 @@ def _block(cfg_json: str, moe: bool, micro_batch: int, seq_len: int, expert: int
                         skip=lambda aval, source: (tuple(aval.shape), jnp.dtype(aval.dtype)) in weights)
 
 
-def _bytes(residuals, d_model: int, expert: int, tensor: int, weights=None) -> int:
-    """Per-device bytes of residuals traced on an abstract mesh of `expert` devices (module docstring)."""
+def _bytes(residuals, d_model: int, expert: int, tensor: int, weights=None, *, scores: tuple[int, int] = (0, 1)) -> int:
+    """Per-device bytes of residuals traced on an abstract mesh of `expert` devices (module docstring). scores:
+    (positions traced, context): with context > 1 XLA's reference attention scores each local query against the
+    whole sequence, so a residual ending in [positions, positions] counts context times."""
     total = weight_bytes = 0
     gathered = {"data": 1, "fsdp": 1, "expert": expert, "tensor": tensor}
+    local, context = scores
     for shape, itemsize in residuals:
         if weights and (leaf := weights.get(shape)) is not None:
             weight_bytes += int(np.prod(leaf.local_shape(gathered))) * itemsize
             continue
         n = int(np.prod(shape)) * itemsize
+        if context > 1 and len(shape) >= 2 and shape[-2:] == (local, local):
+            n *= context
         total += n if (shape and shape[-1] == d_model) else -(-n // tensor)
     return -(-total // expert) + weight_bytes
 
 
 def activation_terms(cfg, micro_batch: int, seq_len: int, remat: str, *, tensor: int = 1, expert: int = 1,
-                     dispatch: str | None = None, platform: str = "gpu") -> ActivationBytes:
-    """Bytes per device: saved residuals, one block's transient, and the loss's logits (module docstring)."""
+                     dispatch: str | None = None, platform: str = "gpu", context: int = 1) -> ActivationBytes:
+    """Bytes per device: saved residuals, one block's transient, and the loss's logits (module docstring).
+    context > 1: each device holds seq_len / context positions of its micro_batch sequences; everything is traced
+    at those positions, and the whole sequence's K/V side that attention holds is added (planner/context.py)."""
     c = trace_config(cfg, remat=remat, dispatch=dispatch, platform=platform)
     m = c.model
     key = c.to_json_best_effort(sort_keys=True)
     d_model = int(m.d_model)
+    seq_len //= context  # the positions a device holds: every per-token residual is of this length
+    scores = (seq_len, context)
     plan = layer_plan(m)
     n_moe_blocks = plan.n_moe
     n_moe_blocks += int(m.get("mtp_depth", 0)) if n_moe_blocks else 0  # an MTP module's block is a MoE block
@@ -192,17 +210,25 @@ def activation_terms(cfg, micro_batch: int, seq_len: int, remat: str, *, tensor:
     # The whole model is traced once per micro-batch and policy (ep 1); what expert parallelism changes is
     # inside the MoE blocks, whose residuals the scan saves per layer: add each block's change at ep (equal
     # to tracing the whole model on the ep mesh, tests/test_planner_memory.py; a fraction of the time).
-    saved = _bytes(_saved(key, micro_batch, seq_len, 1), d_model, 1, tensor, weights)
-    moe_layer = _bytes(_block(key, True, micro_batch, seq_len, ep, remat), d_model, ep, tensor) if n_moe_blocks else 0
+    saved = _bytes(_saved(key, micro_batch, seq_len, 1), d_model, 1, tensor, weights, scores=scores)
+    moe_layer = (_bytes(_block(key, True, micro_batch, seq_len, ep, remat), d_model, ep, tensor, scores=scores)
+                 if n_moe_blocks else 0)
     if ep > 1:
-        saved += n_moe_blocks * (moe_layer - _bytes(_block(key, True, micro_batch, seq_len, 1, remat), d_model, 1, tensor))
+        saved += n_moe_blocks * (moe_layer - _bytes(_block(key, True, micro_batch, seq_len, 1, remat), d_model, 1, tensor,
+                                                    scores=scores))
+    # Context parallelism: every attention layer's whole-sequence K/V side (planner/context.py), per layer in the
+    # scan's stacked residuals (and in a MoE block's, which pipeline stages place per tick).
+    cp = context_activations(c, micro_batch, seq_len * context, remat, context=context, tensor=tensor)
+    saved += attention_layers(m) * cp.saved_per_layer
+    moe_layer += cp.saved_per_layer if n_moe_blocks else 0
     layer = 0
     kinds = [False] * (plan.n_dense > 0) + [True] * (plan.n_moe > 0)
     if remat != "none":
         for moe in kinds:
             e = ep if moe else 1  # a dense block's per-device residuals do not depend on the expert axis
-            without = _bytes(_block(key, moe, micro_batch, seq_len, e, "none"), d_model, e, tensor)
-            kept = _bytes(_block(key, moe, micro_batch, seq_len, e, remat), d_model, e, tensor) if remat != "full" else 0
+            without = _bytes(_block(key, moe, micro_batch, seq_len, e, "none"), d_model, e, tensor, scores=scores)
+            kept = (_bytes(_block(key, moe, micro_batch, seq_len, e, remat), d_model, e, tensor, scores=scores)
+                    if remat != "full" else 0)
             layer = max(layer, without - kept)
     heads = 1 + int(m.get("mtp_depth", 0))
     vocab = -(-int(m.vocab_size) // tensor)
@@ -215,4 +241,4 @@ def activation_terms(cfg, micro_batch: int, seq_len: int, remat: str, *, tensor:
         # before its cast (measured on compiled steps), XLA:GPU fuses those into the gradient.
         per_element = 4 + act + (0 if platform == "gpu" else 4 + 4)
         logits = micro_batch * min(int(c.kernels.loss_chunk), seq_len) * vocab * per_element
-    return ActivationBytes(saved, layer, logits, moe_layer)
+    return ActivationBytes(saved, layer, logits, moe_layer, cp.transient)

@@ -27,6 +27,12 @@ The rules, per step (n_micro passes of forward + backward; layers' collectives r
                    and the stages' output cotangents in the backward
   LM head          under the chunked loss its gradient is summed over the batch axes once per chunk of
                    kernels.loss_chunk positions and per head (MTP heads share it), inside the loss's backward scan
+  context          (layout.context > 1, parallel/context.py) every token count above is a device's seq_len / C
+                   positions of its sequences; each attention layer all-gathers over `context` what its keys and
+                   values are made from for the whole sequence (MLA: latent + shared RoPE key, GQA: K and V heads;
+                   compute dtype) in the forward, again where remat recomputes it, and reduce-scatters the same
+                   bytes in the backward (planner/context.py); parameters are replicated over `context`, so their
+                   gradients are summed over it with the batch axes (the routed experts' with `data`)
 Small collectives (losses, norms, router statistics: O(experts) floats) are left out.
 Each collective carries the element type it moves at the model's dtypes (HLO names: bf16, f32, s32), which is
 what a GPU moves; XLA:CPU widens bf16 collectives to f32 (see parallel/hlo_collectives.py).
@@ -43,6 +49,7 @@ from moejax.config.layers import layer_plan
 from moejax.parallel.dispatch import capacity_per_expert
 from moejax.parallel.mesh import BATCH_AXES
 from moejax.parallel.pipeline import chunk_slots, schedule_ticks
+from moejax.planner.context import attention_runs, gather_recomputed, gathered_values_per_token
 from moejax.planner.layout import Layout, in_domain_factors, layout_config
 from moejax.planner.state_shapes import state_leaves
 from moejax.program.state import optimizer_state_axes
@@ -94,7 +101,8 @@ def step_traffic(cfg, layout: Layout, seq_len: int | None = None) -> list[Traffi
     n_micro = layout.n_micro(int(cfg.train.global_batch))
     # Pipeline passes: k micro-batches each (mesh.pipeline_in_flight), the gradient accumulated over them.
     per_pass, n_passes = layout.per_pass(int(cfg.train.global_batch)), layout.passes(int(cfg.train.global_batch))
-    tokens = layout.micro_batch * seq  # per device per pass
+    local_seq = layout.local_positions(seq)  # positions of each sequence a device holds (context parallelism)
+    tokens = layout.micro_batch * local_seq  # per device per pass
     recompute = layout.remat != "none"
     n_decoder_moe = layer_plan(m).n_moe
     n_moe = n_decoder_moe + int(m.get("mtp_depth", 0))
@@ -106,7 +114,8 @@ def step_traffic(cfg, layout: Layout, seq_len: int | None = None) -> list[Traffi
     out: list[Traffic] = []
     # kernels.loss auto resolves to the chunked loss on every platform (kernels/resolve.py)
     chunked = cfg.kernels.get("loss", "auto") in ("auto", "chunked")
-    loss_chunks = -(-seq // min(int(cfg.kernels.get("loss_chunk", seq)), seq)) if chunked else 1
+    # the loss scans a device's own positions (context parallelism folds them into rows of their own)
+    loss_chunks = -(-local_seq // min(int(cfg.kernels.get("loss_chunk", local_seq)), local_seq)) if chunked else 1
     n_heads = 1 + int(m.get("mtp_depth", 0))
 
     if piped:
@@ -131,6 +140,17 @@ def step_traffic(cfg, layout: Layout, seq_len: int | None = None) -> list[Traffi
         out.append(Traffic("all-gather", ("stage",), slice_bytes * per_pass * (3 if layout.stage > 2 else 2) // 2,
                            (1 + int(m.get("mtp_depth", 0))) * n_passes,
                            "cotangents gathered over stage into the pipeline", act_t))
+
+    if layout.context > 1:
+        # The whole sequence's latent (MLA) or K/V heads (GQA) per attention layer: the all-gather's output (its
+        # buffer bytes in hlo_collectives' convention) and its transpose, a reduce-scatter counted at its input.
+        per_sequence = seq * gathered_values_per_token(m, layout.tensor) * act
+        for r in attention_runs(cfg, layout, int(cfg.train.global_batch)):
+            gathered = int(r.sequences * per_sequence)
+            out.append(Traffic("all-gather", ("context",), gathered, (1 + gather_recomputed(layout.remat)) * r.runs,
+                               f"context gather, {r.what}", act_t))
+            out.append(Traffic("reduce-scatter", ("context",), gathered, r.runs,
+                               f"context gather's transpose, {r.what}", act_t))
 
     # Expert dispatch.
     ep, k, n_exp, d = layout.expert, int(e.top_k), int(e.n_routed_experts), int(m.d_model)
@@ -173,19 +193,20 @@ def step_traffic(cfg, layout: Layout, seq_len: int | None = None) -> list[Traffi
         # Outside the stages (parallel/mesh.batch_axes) a leaf's rows are split over `stage` too, and its gradient
         # summed over it; the MTP modules' too (each stage runs every S-th micro-batch's pass).
         outside = piped and not leaf.pipelined
-        replicas = _group([a for a in BATCH_AXES + (("stage",) if outside else ()) if not leaf.sharded_over(a)],
-                          sizes)
+        replicas = _group([a for a in BATCH_AXES + ("context",) + (("stage",) if outside else ())
+                           if not leaf.sharded_over(a)], sizes)
         if leaf.path == "['head_DxV']" and loss_chunks > 1:
             # The chunked loss's backward scan adds each chunk's head gradient, and GSPMD sums it over the batch
             # axes inside the scan: once per chunk and head (seen in compiled 671B steps), not once per pass.
             grad_sums *= loss_chunks * n_heads
         if leaf.expert:
-            # dispatch._weights_for_compute: the full (fsdp-gathered) gradient summed over data, then
+            # dispatch._weights_for_compute: the full (fsdp-gathered) gradient summed over data (and context), then
             # reduce-scattered over fsdp, in f32 (model.grad_reduce_dtype) or the compute dtype.
             grad_t = "f32" if m.get("grad_reduce_dtype", "float32") == "float32" else act_t
             full = shard * f * (4 if grad_t == "f32" else act) // leaf.itemsize // piece
-            if sizes["data"] > 1:
-                out.append(Traffic("all-reduce", ("data",), full, grad_sums, f"grad sum {leaf.path}", grad_t))
+            if replicas_of_experts := _group(("data", "context"), sizes):
+                out.append(Traffic("all-reduce", replicas_of_experts, full, grad_sums, f"grad sum {leaf.path}",
+                                   grad_t))
             if f > 1:
                 out.append(Traffic("reduce-scatter", ("fsdp",), full, grad_sums, f"grad sum (fsdp) {leaf.path}",
                                    grad_t))

@@ -1,5 +1,8 @@
 """A candidate layout: mesh axis sizes, remat policy, micro-batch and dispatch mode; and where its axes sit
-relative to the NVLink domains (the same placement rule as parallel/device_grid.py)."""
+relative to the NVLink domains (the same placement rule as parallel/device_grid.py).
+
+Context parallelism (`context` > 1, parallel/context.py) splits each sequence's positions, not the batch's rows:
+`micro_batch` stays in sequences per device, of which a device holds seq_len / context positions each."""
 
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ class Layout:
     stage: int = 1  # pipeline stages (mesh.stage): the MoE layers split over them
     virtual: int = 1  # virtual stages per stage (mesh.virtual_stages)
     in_flight: int = 0  # micro-batches per pipeline pass (mesh.pipeline_in_flight; 0: all of them)
+    context: int = 1  # devices each sequence's positions are split over (mesh.context); not a batch axis
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -33,7 +37,8 @@ class Layout:
 
     @property
     def batch_shards(self) -> int:
-        """Devices the batch is split over inside one stage (every stage sees the whole batch)."""
+        """Devices the batch's rows are split over inside one stage (every stage sees the whole batch; `context`
+        splits each row's positions instead)."""
         return self.data * self.fsdp * self.expert
 
     def n_micro(self, global_batch: int) -> int:
@@ -49,6 +54,10 @@ class Layout:
     def passes(self, global_batch: int) -> int:
         """Forward/backward passes per step (the gradient accumulates over them)."""
         return self.n_micro(global_batch) // self.per_pass(global_batch)
+
+    def local_positions(self, seq_len: int) -> int:
+        """Positions of each sequence one device holds: seq_len / context."""
+        return seq_len // self.context
 
     def name(self) -> str:
         axes = " x ".join(f"{a}{s}" for a, s in self.sizes.items() if s > 1) or "1 device"
@@ -73,21 +82,27 @@ def config_layout(cfg, sizes: dict[str, int]) -> Layout:
 
 def in_domain_factors(sizes: dict[str, int], domain_size: int) -> dict[str, int]:
     """How many of each axis's positions lie inside one NVLink domain: stages take whole domains (or, with more
-    stages than domains, an equal piece of each); inside a stage's piece expert and tensor entirely, then fsdp,
-    then data fill what is left (device_grid.hybrid_device_grid's rule)."""
-    sizes = {"stage": 1, **sizes}
+    stages than domains, an equal piece of each); inside a stage's piece context, expert and tensor entirely, then
+    fsdp, then data fill what is left (device_grid.hybrid_device_grid's rule)."""
+    sizes = {"stage": 1, "context": 1, **sizes}
     if domain_size <= 0:
         return dict(sizes)
     n = math.prod(sizes.values())
     domains = max(1, n // domain_size)
     stage_in = sizes["stage"] // domains if sizes["stage"] > domains else 1
     piece = domain_size // stage_in
-    inner = sizes["expert"] * sizes["tensor"]
+    inner = inner_group(sizes)
     slots = max(1, piece // inner) if piece % inner == 0 else 1
     fsdp_in = math.gcd(sizes["fsdp"], slots)
     data_in = math.gcd(sizes["data"], slots // fsdp_in)
-    return {"stage": stage_in, "data": data_in, "fsdp": fsdp_in, "expert": sizes["expert"],
-            "tensor": sizes["tensor"]}
+    return {"stage": stage_in, "data": data_in, "fsdp": fsdp_in, "context": sizes["context"],
+            "expert": sizes["expert"], "tensor": sizes["tensor"]}
+
+
+def inner_group(sizes: dict[str, int]) -> int:
+    """Devices of the group laid out inside one NVLink domain: context x expert x tensor (their collectives run
+    every layer; device_grid._stage_grid's `inner`)."""
+    return sizes.get("context", 1) * sizes["expert"] * sizes["tensor"]
 
 
 def layout_config(cfg, layout: Layout):

@@ -17,6 +17,10 @@
                       larger phase)
   layer_live          the layer being differentiated: its weights gathered over fsdp (compute dtype) and
                       their gradients before the fsdp reduction (param dtype)
+  context_kv          context parallelism (layout.context > 1): the layer being differentiated's keys and values of
+                      the whole sequence beyond the L / C positions its trace holds (rematerialised where the
+                      policy did not save them) and their gradients (planner/context.py); activations are traced
+                      at the L / C positions a device holds, plus each layer's saved whole-sequence K/V side
 
 Pipeline stages (layout.stage > 1), as moejax/parallel/pipeline.py runs them: a stage holds its V C MoE layer slots
 (params, optimizer state, gradients split over `stage`; an uneven split's identity slots are zeros of the same size)
@@ -56,6 +60,7 @@ class MemoryEstimate:
     logits: int
     layer_live: int
     stage_copies: int = 0  # pipeline stages: the stage's MoE stack and its gradient in the layout the stages' vmap wants
+    context_kv: int = 0  # context > 1: the whole sequence's K/V (and gradients) of the layer being differentiated
 
     @property
     def state(self) -> int:
@@ -67,7 +72,7 @@ class MemoryEstimate:
         larger of two phases: the loss over the vocabulary, which runs before any layer's weight gradient exists,
         or the layers' backward, which holds the gradients, the layer being differentiated and its transient."""
         return (self.grad_accumulator + self.activations + self.stage_copies
-                + max(self.logits, self.grads + self.layer_live + self.layer_transient))
+                + max(self.logits, self.grads + self.layer_live + self.layer_transient + self.context_kv))
 
     @property
     def optimizer(self) -> int:
@@ -115,7 +120,7 @@ def estimate_memory(cfg, layout: Layout, seq_len: int | None = None, platform: s
                 for leaf in params)
     compute_itemsize = jnp.dtype(cfg.model.dtype).itemsize
     act = activation_terms(cfg, layout.micro_batch, seq, layout.remat, tensor=layout.tensor, expert=layout.expert,
-                           dispatch=layout.dispatch, platform=platform)
+                           dispatch=layout.dispatch, platform=platform, context=layout.context)
     saved, logits = act.saved, act.logits
     if layout.stage > 1:
         n_micro = layout.per_pass(int(cfg.train.global_batch))  # one pass's micro-batches are in flight
@@ -137,4 +142,5 @@ def estimate_memory(cfg, layout: Layout, seq_len: int | None = None, platform: s
         layer_live=_largest_layer_bytes(params, sizes, compute_itemsize),
         stage_copies=(2 * sum(leaf.local_bytes(sizes) for leaf in params if leaf.pipelined) if platform == "cpu"
                       else 0),
+        context_kv=act.context_kv,
     )

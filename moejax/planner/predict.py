@@ -30,6 +30,7 @@ from moejax.model.accounting import (expert_ffn_macs_fractions, flops_per_token,
 from moejax.parallel.pipeline import bubble_fraction, chunk_slots
 from moejax.parallel.topology import Topology
 from moejax.planner.comm import buffer_bytes_by_link, step_traffic, wire_bytes
+from moejax.planner.context import CONTEXT_MIN_SEQ_LEN, context_overhead_flops
 from moejax.planner.layout import Layout
 from moejax.planner.memory import MemoryEstimate, estimate_memory
 from moejax.planner.recompute import recompute_factor
@@ -65,6 +66,14 @@ def is_expert_exchange(traffic) -> bool:
     return traffic.kind == "all-to-all" and tuple(traffic.axes) == ("expert",)
 
 
+def is_context_gather(traffic) -> bool:
+    """Attention's all-gather over `context` and its transpose (planner/context.py): the next matmul (the K/V
+    expansion, the attention kernel; in the backward the latent's weight gradient) waits on it. Nothing in moejax
+    schedules it under other work, and no compiled step has measured it: it counts as exposed, like the tensor
+    all-reduces. (A parameter's gradient sum over `context` is an all-reduce: it overlaps like the other sums.)"""
+    return traffic.kind in ("all-gather", "reduce-scatter") and tuple(traffic.axes) == ("context",)
+
+
 @dataclass(frozen=True)
 class Prediction:
     layout: Layout
@@ -84,6 +93,8 @@ class Prediction:
     tokens_per_s_per_gpu: float
     tflops_per_gpu: float
     mfu: float
+    context_gather_s: float = 0.0  # context > 1: attention's all-gathers over `context` on the links (exposed)
+    context_overhead_s: float = 0.0  # context > 1: of compute_s, MLA's K/V expansion of other shards' positions
 
     def to_dict(self) -> dict:
         return {"layout": self.layout.to_dict(), "name": self.layout.name(), "memory": self.memory.to_dict(),
@@ -93,7 +104,8 @@ class Prediction:
                 "exposed_exchange_s": self.exposed_exchange_s, "exposed_comm_s": self.exposed_comm_s,
                 "step_s": self.step_s,
                 "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "tflops_per_gpu": self.tflops_per_gpu,
-                "mfu": self.mfu}
+                "mfu": self.mfu, "context_gather_s": self.context_gather_s,
+                "context_overhead_s": self.context_overhead_s}
 
 
 def domain_size_for(topo: Topology, n_gpus: int, override: int = 0) -> int:
@@ -116,7 +128,7 @@ def predict(cfg, topo: Topology, layout: Layout, *, efficiency: float, domain_si
     memory = estimate_memory(cfg, layout, seq)
     traffic = step_traffic(cfg, layout, seq)
     wire = {"nvlink": 0.0, "nic": 0.0}
-    critical_s = overlap_s = exchange_s = 0.0
+    critical_s = overlap_s = exchange_s = context_gather_s = 0.0
     for tr in traffic:
         w = wire_bytes(tr, layout.sizes, domain_size)
         for link in wire:
@@ -124,6 +136,8 @@ def predict(cfg, topo: Topology, layout: Layout, *, efficiency: float, domain_si
         seconds = sum(w[link] / topo.link_bw(link) for link in w)
         if is_expert_exchange(tr):
             exchange_s += seconds
+        elif is_context_gather(tr):
+            context_gather_s += seconds
         elif set(tr.axes) <= set(CRITICAL):
             critical_s += seconds
         else:
@@ -136,17 +150,22 @@ def predict(cfg, topo: Topology, layout: Layout, *, efficiency: float, domain_si
     bubble, stage_compute = stage_terms(cfg, layout, seq)
     compute_s = (model_flops * recompute * stage_compute
                  * ((1 - fp8_share) / topo.peak_bf16 + fp8_share / fp8_peak) / efficiency)
+    # Context parallelism: MLA's K/V expansion of the other shards' positions (a projection: FP8 with model.fp8).
+    context_overhead_s = (context_overhead_flops(cfg, layout, seq) / efficiency
+                          / (fp8_peak if cfg.model.get("fp8", "none") != "none" else topo.peak_bf16))
+    compute_s += context_overhead_s
     routed_share, shared_share = expert_ffn_macs_fractions(cfg, seq)
     chunks = planned_exchange_chunks(cfg, layout, topo)
     # The expert FFNs' share of compute_s (recompute and stage stretch apply to them like the rest).
     exposed_exchange = exposed_exchange_s(exchange_s, routed_share * compute_s, shared_share * compute_s, chunks)
-    exposed = critical_s + exposed_exchange + max(0.0, overlap_s - compute_s)
+    exposed = critical_s + context_gather_s + exposed_exchange + max(0.0, overlap_s - compute_s)
     step_s = compute_s + exposed
     tokens_per_s = tokens_per_step / step_s / n
     return Prediction(layout, memory, memory.total <= topo.hbm_bytes, buffer_bytes_by_link(traffic, layout.sizes, domain_size),
                       wire, recompute, bubble, stage_compute, compute_s, chunks, exchange_s, exposed_exchange, exposed,
                       step_s, tokens_per_s,
-                      model_flops / step_s / 1e12, model_flops / step_s / topo.peak_bf16)
+                      model_flops / step_s / 1e12, model_flops / step_s / topo.peak_bf16, context_gather_s,
+                      context_overhead_s)
 
 
 def planned_exchange_chunks(cfg, layout: Layout, topo: Topology) -> int:
@@ -198,50 +217,71 @@ def stage_options(cfg, n_gpus: int, domain_size: int, max_virtual: int = 8) -> l
     return out
 
 
+def context_options(cfg, per_stage: int, group: int) -> list[int]:
+    """Context sizes to search beside an expert x tensor group of `group` devices: 1, and the powers of two C that
+    split the sequence into 2 C equal pieces (parallel/context.py) with C x group dividing the stage's devices (the
+    caller keeps those whose C x group lies inside an NVLink domain). C > 1 only for sequences of
+    CONTEXT_MIN_SEQ_LEN positions or more, where one sequence's per-token activations outgrow what fits beside the
+    state, or where the global batch is smaller than the batch shards C = 1 leaves (no row for some devices)."""
+    seq, batch = int(cfg.train.seq_len), int(cfg.train.global_batch)
+    out = [1]
+    if seq < CONTEXT_MIN_SEQ_LEN and batch >= per_stage // group:
+        return out
+    c = 2
+    while seq % (2 * c) == 0 and per_stage % (c * group) == 0:
+        out.append(c)
+        c *= 2
+    return out
+
+
 def enumerate_layouts(cfg, n_gpus: int, domain_size: int, *, remats=REMAT_POLICIES, dispatches=None,
                       max_tensor: int = 8, stages=None) -> list[Layout]:
-    """Every layout the config accepts on n_gpus with expert x tensor inside one domain; `stages`: the (stages,
-    virtual stages) pairs to try (default stage_options; ((1, 1),) leaves pipelines out)."""
+    """Every layout the config accepts on n_gpus with context x expert x tensor inside one domain (context sizes:
+    context_options); `stages`: the (stages, virtual stages) pairs to try (default stage_options; ((1, 1),) leaves
+    pipelines out)."""
     dispatches = dispatches or (cfg.moe.dispatch,)
     out = []
     for n_stages, virtual in (stages or stage_options(cfg, n_gpus, domain_size)):
         per_stage = n_gpus // n_stages
         piece = domain_size // max(1, n_stages // max(1, n_gpus // domain_size)) if domain_size else per_stage
-        for expert in _divisors(per_stage):
-            for tensor in (t for t in _divisors(max_tensor) if per_stage % (expert * t) == 0):
-                if domain_size % (expert * tensor) or piece % (expert * tensor) or cfg.model.n_heads % tensor:
-                    continue
-                rest = per_stage // (expert * tensor)
-                for fsdp in _divisors(rest):
-                    data = rest // fsdp
-                    trial = cfg.copy_and_resolve_references()
+        groups = [(e, t, c) for e in _divisors(per_stage) for t in _divisors(max_tensor) if per_stage % (e * t) == 0
+                  for c in context_options(cfg, per_stage, e * t)]
+        for expert, tensor, context in groups:
+            inner = context * expert * tensor  # laid out inside one domain (layout.inner_group)
+            if domain_size % inner or piece % inner or cfg.model.n_heads % tensor:
+                continue
+            rest = per_stage // inner
+            for fsdp in _divisors(rest):
+                data = rest // fsdp
+                trial = cfg.copy_and_resolve_references()
+                with trial.unlocked():
+                    trial.mesh.data, trial.mesh.fsdp, trial.mesh.expert, trial.mesh.tensor = data, fsdp, expert, tensor
+                    trial.mesh.context = context
+                    trial.mesh.stage, trial.mesh.virtual_stages = n_stages, virtual
+                    if n_stages > 1 and trial.moe.dispatch == "dropless":
+                        trial.moe.dispatch = "capacity"  # checked per dispatch below
+                per_device = cfg.train.global_batch // (data * fsdp * expert)  # sequences; context splits positions
+                for mb in (m for m in _divisors(per_device) if m & (m - 1) == 0 or m == per_device):
+                    if per_device // mb < n_stages:
+                        continue  # fewer micro-batches than stages
                     with trial.unlocked():
-                        trial.mesh.data, trial.mesh.fsdp, trial.mesh.expert, trial.mesh.tensor = data, fsdp, expert, tensor
-                        trial.mesh.stage, trial.mesh.virtual_stages = n_stages, virtual
-                        if n_stages > 1 and trial.moe.dispatch == "dropless":
-                            trial.moe.dispatch = "capacity"  # checked per dispatch below
-                    per_device = cfg.train.global_batch // (data * fsdp * expert)
-                    for mb in (m for m in _divisors(per_device) if m & (m - 1) == 0 or m == per_device):
-                        if per_device // mb < n_stages:
-                            continue  # fewer micro-batches than stages
-                        with trial.unlocked():
-                            trial.train.micro_batches = per_device // mb
-                        try:
-                            validate(trial, n_gpus)
-                        except ConfigError:
-                            continue
-                        # Pipelines: all micro-batches in one pass, or passes of S, 2S, 4S (mesh.pipeline_in_flight)
-                        n_micro = per_device // mb
-                        in_flights = [0] + [k for k in (n_stages, 2 * n_stages, 4 * n_stages)
-                                            if n_stages > 1 and k < n_micro and n_micro % k == 0
-                                            and cfg.train.global_batch % (
-                                                n_stages * data * fsdp * expert * (n_micro // k)) == 0]
-                        for remat in remats:
-                            for dispatch in dispatches:
-                                if n_stages > 1 and dispatch == "dropless":
-                                    continue  # not inside pipeline stages yet (config.validate refuses it)
-                                out += [Layout(data, fsdp, expert, tensor, remat, mb, dispatch, n_stages, virtual, k)
-                                        for k in in_flights]
+                        trial.train.micro_batches = per_device // mb
+                    try:
+                        validate(trial, n_gpus)
+                    except ConfigError:
+                        continue
+                    # Pipelines: all micro-batches in one pass, or passes of S, 2S, 4S (mesh.pipeline_in_flight)
+                    n_micro = per_device // mb
+                    in_flights = [0] + [k for k in (n_stages, 2 * n_stages, 4 * n_stages)
+                                        if n_stages > 1 and k < n_micro and n_micro % k == 0
+                                        and cfg.train.global_batch % (
+                                            n_stages * data * fsdp * expert * (n_micro // k)) == 0]
+                    for remat in remats:
+                        for dispatch in dispatches:
+                            if n_stages > 1 and dispatch == "dropless":
+                                continue  # not inside pipeline stages yet (config.validate refuses it)
+                            out += [Layout(data, fsdp, expert, tensor, remat, mb, dispatch, n_stages, virtual, k,
+                                           context) for k in in_flights]
     return out
 
 

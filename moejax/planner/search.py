@@ -66,14 +66,14 @@ def _candidate(cfg, topo: Topology, layout: Layout, ranked, efficiency: float, d
 
 
 def parse_layout(text: str) -> Layout:
-    """'stage=2,virtual=8,expert=32,data=4,remat=full,mb=1,dispatch=capacity' -> Layout (unnamed axes 1, remat
+    """'stage=2,virtual=8,expert=32,data=4,cp=4,remat=full,mb=1,dispatch=capacity' -> Layout (unnamed axes 1, remat
     full, mb 1, dispatch capacity); InputError on a bad field."""
-    fields = {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1, "stage": 1, "virtual": 1, "remat": "full",
+    fields = {"data": 1, "fsdp": 1, "context": 1, "expert": 1, "tensor": 1, "stage": 1, "virtual": 1, "remat": "full",
               "micro_batch": 1, "dispatch": "capacity", "in_flight": 0}
     for part in (p.strip() for p in text.split(",") if p.strip()):
         key, _, value = part.partition("=")
         key = {"mb": "micro_batch", "vp": "virtual", "pp": "stage", "ep": "expert", "tp": "tensor",
-               "inflight": "in_flight"}.get(key, key)
+               "cp": "context", "inflight": "in_flight"}.get(key, key)
         if key not in fields or not value:
             raise InputError(f"--layout {text!r}: {part!r} is not one of {', '.join(fields)}=value")
         try:
