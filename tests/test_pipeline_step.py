@@ -145,7 +145,7 @@ def test_stages_take_whole_domains_or_pieces_that_hold_expert_groups():
     devices = [_Dev(i) for i in range(16)]
     two_domains = [d.id // 8 for d in devices]
     grid = hybrid_device_grid({"stage": 2, "data": 2, "fsdp": 1, "expert": 4, "tensor": 1}, devices, two_domains)
-    assert grid.shape == (2, 2, 1, 4, 1)
+    assert grid.shape == (2, 2, 1, 1, 4, 1)
     assert {d.id // 8 for d in grid[0].ravel()} == {0} and {d.id // 8 for d in grid[1].ravel()} == {1}
     # four stages over two domains of 8: each stage a half domain, whose 4 devices hold an expert group of 4
     grid = hybrid_device_grid({"stage": 4, "data": 1, "fsdp": 1, "expert": 4, "tensor": 1}, devices, two_domains)

@@ -85,7 +85,7 @@ def test_an_expert_group_that_would_span_two_domains_is_an_error_that_says_what_
         hybrid_device_grid(sizes(expert=144), devices, domains)
     # Explicitly allowed: the mesh is built, groups may cross.
     grid = hybrid_device_grid(sizes(data=9, expert=16), devices, domains, allow_cross_domain=True)
-    assert grid.shape == (1, 9, 1, 16, 1)  # [stage, data, fsdp, expert, tensor]
+    assert grid.shape == (1, 9, 1, 1, 16, 1)  # [stage, data, fsdp, context, expert, tensor]
 
 
 def test_ep32_fits_racks_launched_with_64_gpus_each():
@@ -150,7 +150,7 @@ from moejax.parallel.device_grid import MeshLayoutError
 n, domain, layout, bad = int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3]), json.loads(sys.argv[4])
 assert jax.device_count() == n
 mesh = make_mesh(layout, topology="cpu", domain_size=domain)
-ids = [[d.id for d in row] for row in mesh.devices.transpose(0, 1, 2, 4, 3).reshape(-1, layout["expert"])]
+ids = [[d.id for d in row] for row in mesh.devices.transpose(0, 1, 2, 3, 5, 4).reshape(-1, layout["expert"])]
 # A real collective over the expert axis on the built mesh: each group sums its members' ids.
 f = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "expert"), mesh=mesh, in_specs=P(("data", "fsdp", "expert", "tensor")),
                           out_specs=P(("data", "fsdp", "expert", "tensor"))))
