@@ -343,6 +343,62 @@ def test_bad_target_and_missing_extra_are_one_line_errors(tmp_path):
     assert not work.exists()
 
 
+@pytest.fixture(scope="session")
+def h200_context():
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    from moejax.planner.dry_run import dry_run
+
+    c = gpu_config()
+    c.mesh.data, c.mesh.context, c.mesh.expert = 1, 2, 4  # each sequence's 192 positions split over 2 devices
+    return dry_run(c, 8, "h200", keep_hlo=True)
+
+
+@pytest.mark.xdist_group("h200_context")
+def test_context_parallel_step_runs_flash_attention_on_local_queries(h200_context):
+    """Context parallelism compiled for GPUs: tokamax's flash kernel (Mosaic GPU) for every attention, forward and
+    backward, with each device's L / 2 queries against the whole sequence (key ranges, no L x L mask or scores); the
+    all-gather over `context` carries MLA's latent + RoPE key in bf16 ([rows, L, kv_lora + rope]), never per-head
+    keys or hidden states."""
+    from moejax.parallel.hlo_kernels import array_shapes
+
+    r, c = h200_context, gpu_config()
+    assert r["kernels"]["attention"] == "tokamax_mosaic"
+    calls = r["xla"]["kernels"]["custom_calls"]
+    assert calls.get("mosaic_gpu_v2", 0) >= 6, calls
+    shapes = array_shapes(r["hlo"])
+    assert not [s for s in shapes if s[1][-2:] in ((SEQ, SEQ), (SEQ // 2, SEQ))], "a dense attention mask or scores"
+    rows, latent = BATCH // 4, c.model.kv_lora_rank + c.model.qk_rope_head_dim
+    gathers = [line for line in r["hlo"].splitlines() if re.search(r"all-gather(-start)?\(", line)]
+    sequence = {m for line in gathers for m in re.findall(rf"(\w+)\[{rows},{SEQ},([\d,]+)\]", line)}
+    assert sequence == {("bf16", str(latent))}, sequence
+    assert ("bf16", (rows, SEQ // 2, c.model.n_heads, c.model.qk_nope_head_dim + c.model.qk_rope_head_dim)) in shapes
+
+
+def test_tokamax_attention_in_key_ranges_like_the_reference():
+    """Context parallelism's attention: queries that are not the keys' own positions, each with a key range
+    [k_start, k_end) (tokamax's Mask(k_start, k_end)); tokamax's XLA implementation against moejax's reference."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from moejax.kernels.attention import attention_in_ranges
+
+    kq, kk, kv, kc = jax.random.split(jax.random.key(5), 4)
+    q, k = jax.random.normal(kq, (2, 16, 4, 24)), jax.random.normal(kk, (2, 32, 4, 24))
+    v, cot = jax.random.normal(kv, (2, 32, 4, 16)), jax.random.normal(kc, (2, 16, 4, 16))
+    index = jnp.asarray(np.concatenate([np.arange(8), np.arange(24, 32)]))[None].repeat(2, 0)  # a front, a back piece
+    start = jnp.minimum(index, jnp.asarray([[0], [5]]))  # row 1: a document starting at 5
+
+    def loss(kernel):
+        return lambda q, k, v: jnp.sum(attention_in_ranges(q, k, v, start, index + 1, 0.2, kernel=kernel) * cot)
+
+    ref, ref_g = jax.value_and_grad(loss("xla"), argnums=(0, 1, 2))(q, k, v)
+    out, out_g = jax.value_and_grad(loss("tokamax_xla"), argnums=(0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(out, ref, rtol=1e-5)
+    for a, b in zip(out_g, ref_g):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
 def test_tokamax_attention_masks_documents_like_the_reference():
     """tokamax's kernels get documents as each query's first key (k_start); its XLA implementation runs on CPU
     and takes the same Mask, so the wiring is checked against moejax's reference (values and gradients)."""
