@@ -171,3 +171,25 @@ def test_checkpoint_moves_between_context_sizes(tmp_path):
     redone = records(workdir)[20:]
     assert [r["step"] for r in redone] == list(range(11, 21))
     np.testing.assert_allclose([r["loss"] for r in redone], [want[r["step"]] for r in redone], rtol=1e-5)
+
+
+def test_logits_come_back_in_sequence_order(devices):
+    """The model's own logits (evaluation, generation) with the sequence split over `context`: in sequence order,
+    equal to one device's."""
+    tokens, segments = _batch(3)
+    tokens, segments = tokens[:, :-1], segments[:, :-1]
+
+    def logits(cfg, devs):
+        mesh = make_mesh(validate(cfg, len(devs)), devs)
+        graphdef, state = nnx.split(create_model(cfg, 3))
+        state = jax.device_put(state, state_shardings(state, mesh))
+        with jax.set_mesh(mesh):
+            out = jax.jit(lambda s, t, g: nnx.merge(graphdef, s)(t, g))(state, tokens, segments)
+        return jax.device_get((out.logits_BxLxV, out.mtp_logits_DxBxLxV))
+
+    single = mla_mtp_config()
+    single.mesh.data = 1
+    split = mla_mtp_config()
+    split.mesh.data, split.mesh.context, split.mesh.expert = 1, 4, 2
+    for got, want in zip(logits(split, devices), logits(single, devices[:1])):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
