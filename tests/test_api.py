@@ -39,7 +39,7 @@ def test_check_config_composes_the_checks_of_every_layer(tmp_path):
     def check(**overrides):
         return moejax.check_config(moejax.load_config(TINY, overrides), 8)
 
-    assert check() == {"stage": 1, "data": 2, "fsdp": 1, "expert": 4, "tensor": 1}
+    assert check() == {"stage": 1, "data": 2, "fsdp": 1, "context": 1, "expert": 4, "tensor": 1}
     with pytest.raises(moejax.ConfigError, match="do not divide by the fixed axes' product 3"):
         check(**{"mesh.expert": 3})
     with pytest.raises(TopologyError, match="mesh.topology='nvl9000' is not one of 'auto'"):

@@ -147,7 +147,7 @@ def _saved(cfg_json: str, micro_batch: int, seq_len: int, expert: int) -> tuple[
         return _collect(saved_residuals(loss, params, rest, tokens, tokens), skip=_is_log_softmax)
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=1024)  # per micro-batch, positions, expert axis and policy: a search traces hundreds
 def _block(cfg_json: str, moe: bool, micro_batch: int, seq_len: int, expert: int, remat: str) -> tuple[Residual, ...]:
     """Residuals of one block under `remat`. The layer's weights are memory.layer_live's: parameters are
     traced in the compute dtype, so their casts are arguments, and the expert weights a shard_map passes

@@ -41,7 +41,10 @@ import jax.numpy as jnp
 from moejax.config.layers import layer_plan
 from moejax.parallel.pipeline import chunk_slots, schedule_ticks
 
-CONTEXT_MIN_SEQ_LEN = 16384  # the search tries context > 1 from this sequence length on (or where rows run out)
+# The layout search (predict.context_options) tries context > 1 from this sequence length on, down to this many
+# positions per device (or wherever the batch's rows run out).
+CONTEXT_MIN_SEQ_LEN = 16384
+CONTEXT_MIN_LOCAL_POSITIONS = 8192
 
 
 def attention_layers(m) -> int:

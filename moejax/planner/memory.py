@@ -37,7 +37,7 @@ H200 compiles of PP2, PP2 x VP2 and PP4, benchmarks/RESULTS.md "Memory").
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import jax.numpy as jnp
 
@@ -101,13 +101,11 @@ def _largest_layer_bytes(params, sizes, compute_itemsize) -> int:
     return int(max(stacks.values(), default=0))
 
 
-def estimate_memory(cfg, layout: Layout, seq_len: int | None = None, platform: str = "gpu") -> MemoryEstimate:
-    """Per-device memory of the layout; `platform` picks the routed-expert backend the trace follows (a dropless
-    layer is a ragged grouped matmul on GPU, a padded einsum on CPU: what the dry run compiles)."""
-    seq = int(cfg.train.seq_len if seq_len is None else seq_len)
+def state_memory(cfg, layout: Layout, platform: str = "gpu") -> MemoryEstimate:
+    """The layout's memory without activations (nothing traced: the state's leaves at their sharded size), each
+    activation term 0: a lower bound of estimate_memory's total."""
     sizes = layout.sizes
     params, model_state, opt = state_leaves(layout_config(cfg, layout))
-    param_bytes = sum(leaf.local_bytes(sizes) for leaf in params) + sum(leaf.local_bytes(sizes) for leaf in model_state)
     over = optimizer_state_axes(cfg)
     accumulating = layout.passes(int(cfg.train.global_batch)) > 1
     # A distributed optimizer's moments are split over data too, and so is the gradient of a weight GSPMD
@@ -119,6 +117,24 @@ def estimate_memory(cfg, layout: Layout, seq_len: int | None = None, platform: s
     grads = sum((leaf if leaf.expert and whole_over_data else leaf.split_further(sizes, over)).local_bytes(sizes)
                 for leaf in params)
     compute_itemsize = jnp.dtype(cfg.model.dtype).itemsize
+    return MemoryEstimate(
+        params=sum(leaf.local_bytes(sizes) for leaf in params) + sum(leaf.local_bytes(sizes) for leaf in model_state),
+        opt_state=sum(leaf.split_further(sizes, over).local_bytes(sizes) for leaf in opt),
+        grads=grads,
+        grad_accumulator=grads if accumulating else 0,
+        activations=0,
+        layer_transient=0,
+        logits=0,
+        layer_live=_largest_layer_bytes(params, sizes, compute_itemsize),
+        stage_copies=(2 * sum(leaf.local_bytes(sizes) for leaf in params if leaf.pipelined) if platform == "cpu"
+                      else 0),
+    )
+
+
+def estimate_memory(cfg, layout: Layout, seq_len: int | None = None, platform: str = "gpu") -> MemoryEstimate:
+    """Per-device memory of the layout; `platform` picks the routed-expert backend the trace follows (a dropless
+    layer is a ragged grouped matmul on GPU, a padded einsum on CPU: what the dry run compiles)."""
+    seq = int(cfg.train.seq_len if seq_len is None else seq_len)
     act = activation_terms(cfg, layout.micro_batch, seq, layout.remat, tensor=layout.tensor, expert=layout.expert,
                            dispatch=layout.dispatch, platform=platform, context=layout.context)
     saved, logits = act.saved, act.logits
@@ -131,16 +147,5 @@ def estimate_memory(cfg, layout: Layout, seq_len: int | None = None, platform: s
         saved = (outside * n_micro // layout.stage
                  + int(act.moe_layer * per_chunk * schedule_ticks(layout.stage, n_micro, layout.virtual)))
         logits = logits * n_micro // layout.stage
-    return MemoryEstimate(
-        params=param_bytes,
-        opt_state=sum(leaf.split_further(sizes, over).local_bytes(sizes) for leaf in opt),
-        grads=grads,
-        grad_accumulator=grads if accumulating else 0,
-        activations=saved,
-        layer_transient=act.layer,
-        logits=logits,
-        layer_live=_largest_layer_bytes(params, sizes, compute_itemsize),
-        stage_copies=(2 * sum(leaf.local_bytes(sizes) for leaf in params if leaf.pipelined) if platform == "cpu"
-                      else 0),
-        context_kv=act.context_kv,
-    )
+    return replace(state_memory(cfg, layout, platform), activations=saved, layer_transient=act.layer, logits=logits,
+                   context_kv=act.context_kv)

@@ -9,6 +9,9 @@ Time model (every assumption is listed by `assumptions()` and printed with the r
             fsdp gathers and gradient sums overlap with compute and only their excess shows; the expert
             exchange in C slices (moe.exchange_chunks) is exposed as exposed_exchange_s says
 
+  context   (layout.context > 1) attention's all-gathers over `context` and their reduce-scatters are exposed
+            (is_context_gather); MLA's K/V expansion of the other shards' positions adds to compute
+            (planner/context.py); model FLOPs / n stay each device's share (load-balanced causal pieces)
   links     wire bytes of hierarchical collectives (comm.wire_bytes) over per-GPU NVLink / NIC bandwidth
   stages    (layout.stage > 1, parallel/pipeline.py as moejax runs it) the MoE layers' FLOPs are split over the
             stages and stretched by the bubble, 1 + (S - 1) / (M V) (a stage computes on its idle ticks too);
@@ -30,9 +33,9 @@ from moejax.model.accounting import (expert_ffn_macs_fractions, flops_per_token,
 from moejax.parallel.pipeline import bubble_fraction, chunk_slots
 from moejax.parallel.topology import Topology
 from moejax.planner.comm import buffer_bytes_by_link, step_traffic, wire_bytes
-from moejax.planner.context import CONTEXT_MIN_SEQ_LEN, context_overhead_flops
+from moejax.planner.context import CONTEXT_MIN_LOCAL_POSITIONS, CONTEXT_MIN_SEQ_LEN, context_overhead_flops
 from moejax.planner.layout import Layout
-from moejax.planner.memory import MemoryEstimate, estimate_memory
+from moejax.planner.memory import MemoryEstimate, estimate_memory, state_memory
 from moejax.planner.recompute import recompute_factor
 
 # blockwise FP8 GEMMs as qwix runs them (one GEMM of depth 128 per contraction tile, every tile's f32 partial written
@@ -220,25 +223,31 @@ def stage_options(cfg, n_gpus: int, domain_size: int, max_virtual: int = 8) -> l
 def context_options(cfg, per_stage: int, group: int) -> list[int]:
     """Context sizes to search beside an expert x tensor group of `group` devices: 1, and the powers of two C that
     split the sequence into 2 C equal pieces (parallel/context.py) with C x group dividing the stage's devices (the
-    caller keeps those whose C x group lies inside an NVLink domain). C > 1 only for sequences of
-    CONTEXT_MIN_SEQ_LEN positions or more, where one sequence's per-token activations outgrow what fits beside the
-    state, or where the global batch is smaller than the batch shards C = 1 leaves (no row for some devices)."""
+    caller keeps those whose C x group lies inside an NVLink domain). To keep the search small, C > 1 only
+      - for sequences of CONTEXT_MIN_SEQ_LEN positions or more, and only while a device keeps at least
+        CONTEXT_MIN_LOCAL_POSITIONS of them (shorter pieces: per-token activations like a pre-training step's,
+        which fit without context parallelism, while the whole sequence's gathered K/V stays per device), or
+      - where the global batch is smaller than the batch shards C = 1 leaves (no sequence for some devices): then
+        every C that divides."""
     seq, batch = int(cfg.train.seq_len), int(cfg.train.global_batch)
-    out = [1]
-    if seq < CONTEXT_MIN_SEQ_LEN and batch >= per_stage // group:
-        return out
-    c = 2
-    while seq % (2 * c) == 0 and per_stage % (c * group) == 0:
+    rows_run_out = batch < per_stage // group
+    if seq < CONTEXT_MIN_SEQ_LEN and not rows_run_out:
+        return [1]
+    out, c = [1], 2
+    while (seq % (2 * c) == 0 and per_stage % (c * group) == 0
+           and (rows_run_out or seq // c >= CONTEXT_MIN_LOCAL_POSITIONS)):
         out.append(c)
         c *= 2
     return out
 
 
 def enumerate_layouts(cfg, n_gpus: int, domain_size: int, *, remats=REMAT_POLICIES, dispatches=None,
-                      max_tensor: int = 8, stages=None) -> list[Layout]:
+                      max_tensor: int = 8, stages=None, hbm_bytes: int = 0) -> list[Layout]:
     """Every layout the config accepts on n_gpus with context x expert x tensor inside one domain (context sizes:
     context_options); `stages`: the (stages, virtual stages) pairs to try (default stage_options; ((1, 1),) leaves
-    pipelines out)."""
+    pipelines out). hbm_bytes: leave out the context > 1 layouts whose memory without activations (state_memory:
+    the train state, gradients, the largest layer gathered) exceeds it: the state is replicated over `context`, so a
+    larger C leaves fewer devices to shard it. At C = 1 every layout is kept, to rank the ones that do not fit."""
     dispatches = dispatches or (cfg.moe.dispatch,)
     out = []
     for n_stages, virtual in (stages or stage_options(cfg, n_gpus, domain_size)):
@@ -262,6 +271,10 @@ def enumerate_layouts(cfg, n_gpus: int, domain_size: int, *, remats=REMAT_POLICI
                         trial.moe.dispatch = "capacity"  # checked per dispatch below
                 per_device = cfg.train.global_batch // (data * fsdp * expert)  # sequences; context splits positions
                 for mb in (m for m in _divisors(per_device) if m & (m - 1) == 0 or m == per_device):
+                    if context > 1 and mb > 1:
+                        # mb sequences over C devices hold the positions per device of one sequence over C / mb
+                        # devices, which leave more devices to shard the state: one sequence per micro-batch.
+                        continue
                     if per_device // mb < n_stages:
                         continue  # fewer micro-batches than stages
                     with trial.unlocked():
@@ -270,6 +283,10 @@ def enumerate_layouts(cfg, n_gpus: int, domain_size: int, *, remats=REMAT_POLICI
                         validate(trial, n_gpus)
                     except ConfigError:
                         continue
+                    if context > 1 and hbm_bytes and state_memory(cfg, Layout(
+                            data, fsdp, expert, tensor, "full", mb, cfg.moe.dispatch, n_stages, virtual, 0,
+                            context)).total > hbm_bytes:
+                        continue  # the state alone (and gradients) do not fit: more context leaves fewer shards
                     # Pipelines: all micro-batches in one pass, or passes of S, 2S, 4S (mesh.pipeline_in_flight)
                     n_micro = per_device // mb
                     in_flights = [0] + [k for k in (n_stages, 2 * n_stages, 4 * n_stages)
@@ -317,7 +334,8 @@ def assumptions(topo: Topology, efficiency: float, domain_size: int, cfg=None, *
         f"hardware: {topo.name} ({topo.notes}); bf16 dense peak {topo.peak_bf16 / 1e12:.0f} TFLOP/s, "
         f"HBM {topo.hbm_bytes / 1e9:.0f} GB, NVLink {topo.nvlink_bw / 1e9:.0f} GB/s and NIC {topo.nic_bw / 1e9:.0f} GB/s "
         "per GPU each way (nominal)",
-        f"NVLink domain used: {domain_size} GPUs (expert x tensor inside one domain, fsdp then data across)",
+        f"NVLink domain used: {domain_size} GPUs (context x expert x tensor inside one domain, fsdp then data "
+        "across)",
         f"compute: model FLOPs (Megatron-Core convention) at {efficiency:.0%} of the bf16 dense peak, times "
         + _recompute_text(cfg, remats, dispatches),
         *([_fp8_text(cfg, topo, efficiency)] if cfg is not None and cfg.model.get("fp8", "none") != "none" else []),
@@ -350,6 +368,16 @@ def assumptions(topo: Topology, efficiency: float, domain_size: int, cfg=None, *
         "activations per tick to the next stage and back (on the NICs when stages take whole NVLink domains), waited "
         "on; every tick's residuals kept until the backward of its pass (a pass's k micro-batches: GPipe memory "
         "per pass, not 1F1B's)",
+        f"context parallelism (context C > 1; searched for sequences of {CONTEXT_MIN_SEQ_LEN} positions or more "
+        f"down to {CONTEXT_MIN_LOCAL_POSITIONS} per device, or where the batch's rows run out; one sequence per "
+        "micro-batch; layouts whose state and gradients alone exceed HBM left out): per-token work and activations "
+        "at a device's L / C positions, attention FLOPs split evenly (load-balanced pieces); per attention layer "
+        "the whole sequence's MLA latent + RoPE key (GQA: K/V heads) all-gathered over context in the forward (again "
+        "under every remat but none) and reduce-scattered in the backward, exposed (nothing schedules them under "
+        "compute; not measured); their whole-sequence keys and values saved per layer under none (dots: the "
+        "expansion's outputs), else rematerialised, plus one layer's K/V gradients; MLA's K/V expansion of the "
+        "other shards' (C - 1) / C x L positions as extra FLOPs (not model FLOPs); parameters replicated over "
+        "context, their gradients summed over it with the batch axes; planner/context.py",
         "not modelled: 1F1B / zero-bubble schedules (moejax runs the circular one), "
         + ("FP8 GEMMs (model.fp8=none), " if cfg is None or cfg.model.get("fp8", "none") == "none" else
            "FP8 quantisation passes (amax, scale, cast: elementwise, memory-bound), ")

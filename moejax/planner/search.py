@@ -16,7 +16,7 @@ def plan(cfg, topo: Topology, gpu_counts: list[int], *, efficiency: float, domai
     runs = []
     for n in gpu_counts:
         domain = domain_size_for(topo, n, domain_size)
-        layouts = enumerate_layouts(cfg, n, domain, remats=remats, dispatches=dispatches)
+        layouts = enumerate_layouts(cfg, n, domain, remats=remats, dispatches=dispatches, hbm_bytes=topo.hbm_bytes)
         ranked = rank([predict(cfg, topo, lay, efficiency=efficiency, domain_size=domain) for lay in layouts])
         runs.append({"gpus": n, "domain_size": domain, "layouts_considered": len(layouts),
                      "layouts_that_fit": sum(p.fits for p in ranked),
@@ -90,11 +90,11 @@ def format_plan(result: dict) -> str:
         eff = f"{r['scaling_efficiency']:.1%}" if r["scaling_efficiency"] is not None else "-"
         lines.append(f"\n{r['gpus']} GPUs (domain {r['domain_size']}): {r['layouts_that_fit']} of "
                      f"{r['layouts_considered']} layouts fit; scaling efficiency vs the first count: {eff}")
-        lines.append(f"  {'layout':58s} {'mem GB':>7s} {'NVLink GB':>9s} {'NIC GB':>7s} {'step s':>7s} "
+        lines.append(f"  {'layout':66s} {'mem GB':>7s} {'NVLink GB':>9s} {'NIC GB':>7s} {'step s':>7s} "
                      f"{'tok/s/GPU':>9s} {'TFLOP/s':>8s} {'MFU':>6s}")
         for p in r["best"]:
             flag = "" if p["fits"] else "  (does not fit)"
-            lines.append(f"  {p['name']:58s} {p['memory']['total'] / gb:7.1f} {p['wire_bytes']['nvlink'] / gb:9.2f} "
+            lines.append(f"  {p['name']:66s} {p['memory']['total'] / gb:7.1f} {p['wire_bytes']['nvlink'] / gb:9.2f} "
                          f"{p['wire_bytes']['nic'] / gb:7.2f} {p['step_s']:7.2f} {p['tokens_per_s_per_gpu']:9.0f} "
                          f"{p['tflops_per_gpu']:8.0f} {p['mfu']:6.1%}{flag}")
         if r["best"]:
