@@ -175,8 +175,8 @@ def _block(cfg_json: str, moe: bool, micro_batch: int, seq_len: int, expert: int
 
 def _bytes(residuals, d_model: int, expert: int, tensor: int, weights=None, *, scores: tuple[int, int] = (0, 1)) -> int:
     """Per-device bytes of residuals traced on an abstract mesh of `expert` devices (module docstring). scores:
-    (positions traced, context): with context > 1 XLA's reference attention scores each local query against the
-    whole sequence, so a residual ending in [positions, positions] counts context times."""
+    (positions traced, context) of XLA's reference attention: with context > 1 it scores each local query against
+    the whole sequence, so its [..., heads, positions, positions] scores and mask count context times."""
     total = weight_bytes = 0
     gathered = {"data": 1, "fsdp": 1, "expert": expert, "tensor": tensor}
     local, context = scores
@@ -185,7 +185,7 @@ def _bytes(residuals, d_model: int, expert: int, tensor: int, weights=None, *, s
             weight_bytes += int(np.prod(leaf.local_shape(gathered))) * itemsize
             continue
         n = int(np.prod(shape)) * itemsize
-        if context > 1 and len(shape) >= 2 and shape[-2:] == (local, local):
+        if context > 1 and len(shape) >= 4 and shape[-2:] == (local, local) and shape[-1] != d_model:
             n *= context
         total += n if (shape and shape[-1] == d_model) else -(-n // tensor)
     return -(-total // expert) + weight_bytes
@@ -201,7 +201,7 @@ def activation_terms(cfg, micro_batch: int, seq_len: int, remat: str, *, tensor:
     key = c.to_json_best_effort(sort_keys=True)
     d_model = int(m.d_model)
     seq_len //= context  # the positions a device holds: every per-token residual is of this length
-    scores = (seq_len, context)
+    scores = (seq_len, context) if c.kernels.attention == "xla" else (0, 1)  # a flash kernel keeps no scores
     plan = layer_plan(m)
     n_moe_blocks = plan.n_moe
     n_moe_blocks += int(m.get("mtp_depth", 0)) if n_moe_blocks else 0  # an MTP module's block is a MoE block
