@@ -200,7 +200,7 @@ def activation_terms(cfg, micro_batch: int, seq_len: int, remat: str, *, tensor:
     m = c.model
     key = c.to_json_best_effort(sort_keys=True)
     d_model = int(m.d_model)
-    seq_len //= context  # the positions a device holds: every per-token residual is of this length
+    whole_seq, seq_len = seq_len, seq_len // context  # a device's positions: every per-token residual's length
     scores = (seq_len, context) if c.kernels.attention == "xla" else (0, 1)  # a flash kernel keeps no scores
     plan = layer_plan(m)
     n_moe_blocks = plan.n_moe
@@ -218,7 +218,7 @@ def activation_terms(cfg, micro_batch: int, seq_len: int, remat: str, *, tensor:
                                                     scores=scores))
     # Context parallelism: every attention layer's whole-sequence K/V side (planner/context.py), per layer in the
     # scan's stacked residuals (and in a MoE block's, which pipeline stages place per tick).
-    cp = context_activations(c, micro_batch, seq_len * context, remat, context=context, tensor=tensor)
+    cp = context_activations(c, micro_batch, whole_seq, remat, context=context, tensor=tensor)
     saved += attention_layers(m) * cp.saved_per_layer
     moe_layer += cp.saved_per_layer if n_moe_blocks else 0
     layer = 0
