@@ -115,9 +115,13 @@ def test_context_parallel_equals_one_device(devices, make_config, layout):
     sequence_gathers = [shape for shape in re.findall(r"= f32\[([\d,]+)\]{[0-9,]+} all-gather\(", hlo)
                         if shape.startswith(f"{rows},{SEQ},")]  # (not the fsdp weight gathers)
     attention_layers = m.n_layers + m.mtp_depth
+    # Nothing of the whole sequence is all-reduced: the gathered arrays' gradients are reduce-scattered back.
+    assert not re.findall(rf"= f32\[{rows},{SEQ},[\d,]+\]{{[0-9,]+}} all-reduce\(", hlo)
     if m.attention == "mla":
         latent = f"{m.kv_lora_rank + m.qk_rope_head_dim}"
         assert [s.split(",")[2:] for s in sequence_gathers] == [[latent]] * attention_layers, sequence_gathers
+        scatters = re.findall(rf"= f32\[{rows},{SEQ // parts},{latent}\]{{[0-9,]+}} reduce-scatter\(", hlo)
+        assert len(scatters) == attention_layers, scatters
     else:  # K and V heads [rows, L, G, head_dim], not the hidden states they are projected from
         kv = [str(m.n_kv_heads), str(m.head_dim)]
         assert [s.split(",")[2:] for s in sequence_gathers] == [kv] * 2 * attention_layers, sequence_gathers

@@ -371,6 +371,10 @@ def test_context_parallel_step_runs_flash_attention_on_local_queries(h200_contex
     gathers = [line for line in r["hlo"].splitlines() if re.search(r"all-gather(-start)?\(", line)]
     sequence = {m for line in gathers for m in re.findall(rf"(\w+)\[{rows},{SEQ},([\d,]+)\]", line)}
     assert sequence == {("bf16", str(latent))}, sequence
+    # the backward reduce-scatters the latent's gradient; no whole-sequence K/V gradient is all-reduced
+    reductions = [line for line in r["hlo"].splitlines() if re.search(r"(all-reduce|reduce-scatter)(-start)?\(", line)]
+    assert not [line for line in reductions if "all-reduce" in line and re.search(rf"\[{rows},{SEQ},", line)]
+    assert [line for line in reductions if re.search(rf"\w+\[{rows},{SEQ // 2},{latent}\]", line)]
     assert ("bf16", (rows, SEQ // 2, c.model.n_heads, c.model.qk_nope_head_dim + c.model.qk_rope_head_dim)) in shapes
 
 

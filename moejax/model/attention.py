@@ -15,27 +15,38 @@ from flax import nnx
 from moejax.kernels.attention import attention as kernel_attention, attention_in_ranges
 from moejax.model.layers import RMSNorm, dtype_of, grads_in_f32, param, project
 from moejax.model.rope import apply_rope, rope_spec, softmax_scale
-from moejax.parallel.context import ContextQueries, context_size, gather_sequence, map_over_context_queries
+from moejax.parallel.context import ContextQueries, map_over_context_queries
 from moejax.parallel.mesh import map_over_batch_heads
 from moejax.remat_names import ATTENTION_OUT
 
 
-def attention_core(q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, documents, scale: float, kernel: str):
-    """Causal attention within documents by `kernel` (moejax/kernels/attention.py). `documents`: segment ids [B, L]
-    or None, or ContextQueries (context parallelism: q in context order, k and v whole, in sequence order). XLA's
-    reference is partitioned by GSPMD like any XLA op; a fused kernel is a custom call GSPMD cannot split, so it runs
-    inside shard_map on each device's batch rows and heads."""
-    if isinstance(documents, ContextQueries):
-        fn = functools.partial(attention_in_ranges, scale=scale, kernel=kernel)
-        out = map_over_context_queries(fn, q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, documents)
-        return checkpoint_name(out, ATTENTION_OUT)
-    segment_ids_BxL = documents
+def attention_core(q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, segment_ids_BxL, scale: float, kernel: str):
+    """Causal attention within documents by `kernel` (moejax/kernels/attention.py). XLA's reference is partitioned
+    by GSPMD like any XLA op; a fused kernel is a custom call GSPMD cannot split, so it runs inside shard_map on
+    each device's batch rows and heads."""
     fn = functools.partial(kernel_attention, scale=scale, kernel=kernel)
     if kernel == "xla":
         out = fn(q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, segment_ids_BxL)
     else:
         out = map_over_batch_heads(fn, q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, segment_ids_BxL)
     return checkpoint_name(out, ATTENTION_OUT)  # what the selective remat policies keep
+
+
+def context_attention_core(q_BxLxHxK, per_position, weights, keys_and_values, queries: ContextQueries, scale: float,
+                           kernel: str):
+    """Attention with the sequence split over `context` (parallel/context.py): q holds this device's positions (context
+    order); `per_position` (pairs (array in context order, logical names after L)) are all-gathered over `context`
+    into sequence order and `keys_and_values(*whole, *weights)` builds k and v of the whole sequence from them
+    (inside the device's shard_map: the backward reduce-scatters the gathered arrays' gradient). Each query attends
+    over its key range (ContextQueries) by `kernel`."""
+
+    def attend(q, *rest):
+        *sources, k_start, k_end = rest
+        k, v = keys_and_values(*sources)
+        return attention_in_ranges(q, k, v, k_start, k_end, scale=scale, kernel=kernel)
+
+    out = map_over_context_queries(attend, q_BxLxHxK, per_position, weights, queries)
+    return checkpoint_name(out, ATTENTION_OUT)
 
 
 class GQAttention(nnx.Module):
@@ -66,9 +77,11 @@ class GQAttention(nnx.Module):
         q = apply_rope(q, positions_BxL, self.rope)
         k = apply_rope(k, positions_BxL, self.rope)
         if isinstance(segment_ids_BxL, ContextQueries):  # the K/V heads of the whole sequence on every context shard
-            parts = context_size()
-            k, v = (gather_sequence(a, parts, trailing=("kv_heads",)) for a in (k, v))
-        out_BxLxHxK = attention_core(q, k, v, segment_ids_BxL, self.scale, self.kernel)
+            kv_names = ("kv_heads", "head_dim")
+            out_BxLxHxK = context_attention_core(q, [(k, kv_names), (v, kv_names)], [], lambda k, v: (k, v),
+                                                 segment_ids_BxL, self.scale, self.kernel)
+        else:
+            out_BxLxHxK = attention_core(q, k, v, segment_ids_BxL, self.scale, self.kernel)
         return project("blhk,hkd->bld", out_BxLxHxK, self.w_o_HxKxD[...], f32_grad=self.f32_grad)
 
 
@@ -118,17 +131,30 @@ class MLAttention(nnx.Module):
         k_rope_BxLx1xR = apply_rope(k_rope_BxLx1xR, positions_BxL, self.rope)
         if isinstance(segment_ids_BxL, ContextQueries):
             # The whole sequence's latent and RoPE key on every context shard, one all-gather of C + R values per
-            # token (576 for DeepSeek-V3, against 128 x (192 + 128) for its expanded K and V); expanded locally.
-            c_rope_BxLxCR = gather_sequence(jnp.concatenate([c_BxLxC, k_rope_BxLx1xR[:, :, 0]], axis=-1),
-                                            context_size())
+            # position (576 for DeepSeek-V3, against 128 x (192 + 128) for its expanded K and V), expanded locally.
+            c_rope_BxLxCR = jnp.concatenate([c_BxLxC, k_rope_BxLx1xR[:, :, 0]], axis=-1)
+            weights = [(self.w_kb_CxHxN[...], ("kv_lora", "heads", "head_dim")),
+                       (self.w_vb_CxHxV[...], ("kv_lora", "heads", "head_dim"))]
             latent = c_BxLxC.shape[-1]
-            c_BxLxC, k_rope_BxLx1xR = c_rope_BxLxCR[..., :latent], c_rope_BxLxCR[..., None, latent:]
-        k_nope = project("blc,chn->blhn", c_BxLxC, self.w_kb_CxHxN[...], f32_grad=self.f32_grad)
-        v = project("blc,chv->blhv", c_BxLxC, self.w_vb_CxHxV[...], f32_grad=self.f32_grad)
+
+            def keys_and_values(c_rope_BxLxCR, w_kb_CxHxN, w_vb_CxHxV):
+                return self._keys_and_values(c_rope_BxLxCR[..., :latent], c_rope_BxLxCR[..., None, latent:],
+                                             w_kb_CxHxN, w_vb_CxHxV)
+
+            out_BxLxHxV = context_attention_core(q, [(c_rope_BxLxCR, (None,))], weights, keys_and_values,
+                                                 segment_ids_BxL, self.scale, self.kernel)
+        else:
+            k, v = self._keys_and_values(c_BxLxC, k_rope_BxLx1xR, self.w_kb_CxHxN[...], self.w_vb_CxHxV[...])
+            out_BxLxHxV = attention_core(q, k, v, segment_ids_BxL, self.scale, self.kernel)
+        return project("blhv,hvd->bld", out_BxLxHxV, self.w_o_HxVxD[...], f32_grad=self.f32_grad)
+
+    def _keys_and_values(self, c_BxLxC, k_rope_BxLx1xR, w_kb_CxHxN, w_vb_CxHxV):
+        """k = [W_kb c, k_r] (k_r: one RoPE head shared by every head), v = W_vb c."""
+        k_nope = project("blc,chn->blhn", c_BxLxC, w_kb_CxHxN, f32_grad=self.f32_grad)
+        v = project("blc,chv->blhv", c_BxLxC, w_vb_CxHxV, f32_grad=self.f32_grad)
         k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope_BxLx1xR, (*k_nope.shape[:3], k_rope_BxLx1xR.shape[-1]))],
                             axis=-1)
-        out_BxLxHxV = attention_core(q, k, v, segment_ids_BxL, self.scale, self.kernel)
-        return project("blhv,hvd->bld", out_BxLxHxV, self.w_o_HxVxD[...], f32_grad=self.f32_grad)
+        return k, v
 
 
 def make_attention(m, kernel: str, *, rngs: nnx.Rngs) -> nnx.Module:

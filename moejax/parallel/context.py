@@ -24,7 +24,7 @@ import numpy as np
 
 from jax.sharding import PartitionSpec as P
 
-from moejax.parallel.mesh import CONTEXT_AXIS, batch_axes, constrain, current_mesh
+from moejax.parallel.mesh import CONTEXT_AXIS, batch_axes, constrain, current_mesh, logical_to_spec
 
 
 class ContextQueries(NamedTuple):
@@ -98,18 +98,48 @@ def fold_context_into_rows(a_BxL, parts: int):
                      ("token_rows", *[None] * (a_BxL.ndim - 1)))
 
 
-def map_over_context_queries(fn, q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, queries: ContextQueries):
-    """fn(q, k, v, k_start, k_end) on each device's rows, heads (split over `tensor` when both head counts divide by
-    it) and queries (its context pieces, in context order) against the whole sequence's keys and values (sequence
-    order), inside shard_map. A fused kernel is a custom call GSPMD cannot split; XLA's reference runs here too, so
-    both see the same local shapes."""
+def _in_sequence_order(x_local_BxLxN, parts: int):
+    """Inside shard_map: this device's context pieces -> the whole sequence, all-gathered over `context` (in context
+    order, shard after shard) and put in sequence order. Its transpose is a reduce-scatter: each device's partial
+    gradient of the whole sequence is summed over `context` into the pieces it holds."""
+    whole = jax.lax.all_gather(x_local_BxLxN, CONTEXT_AXIS, axis=1, tiled=True)
+    return jnp.take(whole, np.argsort(balanced_order(whole.shape[1], parts)), axis=1)
+
+
+def map_over_context_queries(fn, q_BxLxHxK, per_position, weights, queries: ContextQueries):
+    """fn(q, *whole, *weights, k_start, k_end) on each device's rows, heads (split over `tensor` when the head count
+    divides by it) and queries (its context pieces, in context order), where `whole` are the arrays of
+    `per_position` (pairs (array [B, L, ...] in context order, logical names of its dims after L)) all-gathered over
+    `context` into sequence order. `weights`: pairs (array, logical names), passed as stored (replicated over
+    `context`). A fused kernel is a custom call GSPMD cannot split; XLA's reference runs here too.
+
+    The gather runs inside the shard_map, before what fn builds from it (MLA's K/V expansion), so the backward
+    reduce-scatters the gradient of what was gathered (the latent: 576 values per position for DeepSeek-V3) rather
+    than all-reducing the gradient of the keys and values built from it (H x 320)."""
     mesh = current_mesh()
     start_BxL, end_BxL = queries.start_BxL, queries.index_BxL + 1
-    if mesh is None:
-        return fn(q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, start_BxL, end_BxL)
+    parts = context_size()
+    arrays = [a for a, _ in per_position]
+    if mesh is None or parts == 1:
+        return fn(q_BxLxHxK, *arrays, *(w for w, _ in weights), start_BxL, end_BxL)
     tensor = mesh.shape["tensor"]
-    heads = "tensor" if q_BxLxHxK.shape[2] % tensor == 0 and k_BxLxGxK.shape[2] % tensor == 0 else None
+    head_counts = [q_BxLxHxK.shape[2]] + [a.shape[a.ndim - len(names) + i] for a, names in (*per_position, *weights)
+                                          for i, name in enumerate(names) if name in ("heads", "kv_heads")]
+    heads = "tensor" if all(h % tensor == 0 for h in head_counts) else None
+
+    def spec(names):  # logical names -> mesh axes, with `heads`/`kv_heads` only where the heads split
+        return tuple(heads if n in ("heads", "kv_heads") else (None if n is None else logical_to_spec((n,))[0])
+                     for n in names)
+
     rows = batch_axes()
-    q_spec, kv_spec, range_spec = P(rows, CONTEXT_AXIS, heads, None), P(rows, None, heads, None), P(rows, CONTEXT_AXIS)
-    return jax.shard_map(fn, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, range_spec, range_spec), out_specs=q_spec,
-                         check_vma=False)(q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, start_BxL, end_BxL)
+    q_spec, range_spec = P(rows, CONTEXT_AXIS, heads, None), P(rows, CONTEXT_AXIS)
+    in_specs = (q_spec, *[P(rows, CONTEXT_AXIS, *spec(names)) for _, names in per_position],
+                *[P(*spec(names)) for _, names in weights], range_spec, range_spec)
+    n = len(arrays)
+
+    def body(q, *rest):
+        whole = [_in_sequence_order(a, parts) for a in rest[:n]]
+        return fn(q, *whole, *rest[n:])
+
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=q_spec, check_vma=False)(
+        q_BxLxHxK, *arrays, *(w for w, _ in weights), start_BxL, end_BxL)
