@@ -115,6 +115,12 @@ def test_context_parallel_equals_one_device(devices, make_config, layout):
     sequence_gathers = [shape for shape in re.findall(r"= f32\[([\d,]+)\]{[0-9,]+} all-gather\(", hlo)
                         if shape.startswith(f"{rows},{SEQ},")]  # (not the fsdp weight gathers)
     attention_layers = m.n_layers + m.mtp_depth
+    # Positions stay where they are: the only all-to-alls are the expert exchange's (inside its shard_map). With fsdp,
+    # XLA's partitioner (on these toy shapes) moves the final hidden states to the fsdp split of d_model around the
+    # loss with all-to-alls (5 of [2, 8, 16] here; none inside the layers); not asserted there.
+    relayouts = [line for line in hlo.splitlines() if re.search(r"all-to-all\(", line) and "shard_map" not in line
+                 and "_take" not in line]  # (the embedding lookup's, as without context parallelism)
+    assert "fsdp" in layout or not relayouts, relayouts[:3]
     # Nothing of the whole sequence is all-reduced: the gathered arrays' gradients are reduce-scattered back.
     assert not re.findall(rf"= f32\[{rows},{SEQ},[\d,]+\]{{[0-9,]+}} all-reduce\(", hlo)
     if m.attention == "mla":

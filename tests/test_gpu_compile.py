@@ -375,6 +375,10 @@ def test_context_parallel_step_runs_flash_attention_on_local_queries(h200_contex
     reductions = [line for line in r["hlo"].splitlines() if re.search(r"(all-reduce|reduce-scatter)(-start)?\(", line)]
     assert not [line for line in reductions if "all-reduce" in line and re.search(rf"\[{rows},{SEQ},", line)]
     assert [line for line in reductions if re.search(rf"\w+\[{rows},{SEQ // 2},{latent}\]", line)]
+    # the only all-to-alls are the expert exchange's: a device's tokens are its rows' context pieces, never re-laid out
+    relayouts = [line for line in r["hlo"].splitlines() if re.search(r"all-to-all(-start)?\(", line)
+                 and "shard_map" not in line]
+    assert not relayouts, relayouts[:3]
     assert ("bf16", (rows, SEQ // 2, c.model.n_heads, c.model.qk_nope_head_dim + c.model.qk_rope_head_dim)) in shapes
 
 

@@ -13,6 +13,7 @@ from flax import nnx
 from moejax.model.layers import MLP, param
 from moejax.model.router import Router
 from moejax.parallel import dispatch
+from moejax.parallel.context import context_size, positions_of, tokens_of
 
 
 class MoEStats(NamedTuple):
@@ -93,17 +94,16 @@ class MoE(nnx.Module):
         routing = self.router(x_BxLxD)
         # Shared experts do not depend on the exchange, so XLA is free to overlap them with it.
         shared_BxLxD = self.shared(x_BxLxD) if self.shared is not None else 0.0
+        parts = context_size()  # tokens_of: each device's tokens stay where they are (parallel/context.py)
         routed_TxD, dstats = dispatch.routed_experts(
-            x_BxLxD.reshape(batch * seq, dim),
-            routing.expert_idx_BxLxK.reshape(batch * seq, -1),
-            routing.expert_w_BxLxK.reshape(batch * seq, -1),
+            tokens_of(x_BxLxD, parts), tokens_of(routing.expert_idx_BxLxK, parts), tokens_of(routing.expert_w_BxLxK, parts),
             self.w_gate_ExDxF[...], self.w_up_ExDxF[...], self.w_down_ExFxD[...], compute_dtype=dt,
             f32_grad=self.f32_grad, capacity_factor=self.exact_mode[1] if _EXACT.get() else self.capacity_factor,
             mode=self.exact_mode[0] if _EXACT.get() else self.mode, drop_policy=self.drop_policy,
             gemm=self.expert_gemm, dropless_window=self.dropless_window,
             exchange_chunks=self.exchange_chunks,
         )
-        out = shared_BxLxD + routed_TxD.reshape(batch, seq, dim)
+        out = shared_BxLxD + positions_of(routed_TxD, batch, seq, parts)
         # The mesh-wide selection counts (before any drop) as fractions of the global batch's tokens.
         load_E = jax.lax.stop_gradient(dstats.tokens_per_expert_E) / (batch * seq)
         own_batch_aux = load_E.shape[-1] * jnp.sum(load_E * routing.prob_E)

@@ -87,15 +87,46 @@ def gather_sequence(x_BxLxN, parts: int, trailing=()):
     return constrain(jnp.take(whole, inverse, axis=1), ("batch", None, *trailing))
 
 
+def _row_shards() -> int:
+    mesh = current_mesh()
+    return 1 if mesh is None else int(np.prod([mesh.shape[a] for a in batch_axes()]))
+
+
+def _device_major(a_BxL, parts: int):
+    """[B, L, ...] (rows split over batch_axes(), positions over `context`) -> [R, C, B / R, L / C, ...]: a device's
+    rows and positions as one block, devices in token_axes() order."""
+    b, seq, rest, shards = a_BxL.shape[0], a_BxL.shape[1], a_BxL.shape[2:], _row_shards()
+    return a_BxL.reshape(shards, b // shards, parts, seq // parts, *rest).swapaxes(1, 2)
+
+
+def tokens_of(x_BxLxN, parts: int):
+    """[B, L, ...] -> [B L, ...] tokens (the MoE dispatch's rows), each device's tokens one contiguous block in
+    token_axes() order, so the flattening moves no data. (A plain reshape would ask each device for whole rows:
+    with positions split over `context`, XLA re-lays the hidden states out with all-to-alls.)"""
+    b, seq = x_BxLxN.shape[:2]
+    if parts == 1:
+        return x_BxLxN.reshape(b * seq, *x_BxLxN.shape[2:])
+    return _device_major(x_BxLxN, parts).reshape(b * seq, *x_BxLxN.shape[2:])
+
+
+def positions_of(x_TxN, batch: int, seq: int, parts: int):
+    """Inverse of tokens_of: [B L, ...] -> [B, L, ...]."""
+    if parts == 1:
+        return x_TxN.reshape(batch, seq, *x_TxN.shape[1:])
+    shards = _row_shards()
+    blocks = x_TxN.reshape(shards, parts, batch // shards, seq // parts, *x_TxN.shape[1:]).swapaxes(1, 2)
+    return blocks.reshape(batch, seq, *x_TxN.shape[1:])
+
+
 def fold_context_into_rows(a_BxL, parts: int):
-    """[B, L, ...] in context order -> [B parts, L / parts, ...]: each context shard's positions as rows of their own
-    (no data moves: the split (batch, context) becomes the rows' split over token_axes()). For work that scans the
-    positions, such as the chunked loss, which would otherwise scan a dim split over devices."""
+    """[B, L, ...] in context order -> [B C, L / C, ...]: each device's positions of each of its rows as a row of its
+    own, in token_axes() order (no data moves). For work that scans the positions, such as the chunked loss, which
+    would otherwise scan a dim split over devices."""
     if parts == 1:
         return a_BxL
     b, seq = a_BxL.shape[:2]
-    return constrain(a_BxL.reshape(b * parts, seq // parts, *a_BxL.shape[2:]),
-                     ("token_rows", *[None] * (a_BxL.ndim - 1)))
+    rows = _device_major(a_BxL, parts).reshape(b * parts, seq // parts, *a_BxL.shape[2:])
+    return constrain(rows, ("token_rows", *[None] * (a_BxL.ndim - 1)))
 
 
 def _in_sequence_order(x_local_BxLxN, parts: int):
