@@ -17,12 +17,12 @@ import pytest
 from flax import nnx
 
 from moejax.config import ConfigError, validate
-from moejax.model.loss import lm_loss
 from moejax.parallel.context import balanced_order
 from moejax.parallel.device_grid import MeshLayoutError, hybrid_device_grid
-from moejax.parallel.mesh import batch_sharding, make_mesh
+from moejax.parallel.mesh import make_mesh
 from moejax.program.state import create_model, state_shardings
-from tests.test_model_families import gqa_qknorm_config, mla_mtp_config
+from tests.test_model_families import gqa_qknorm_config, loss_grads_stats, mla_mtp_config
+from tests.test_pipeline_step import _Dev
 
 ROWS, SEQ = 8, 16
 
@@ -50,33 +50,11 @@ def _batch(seed: int):
     return tokens, segments
 
 
-def _loss_grads_stats(cfg, devices, tokens, segments, hlo: bool = False):
-    mesh = make_mesh(validate(cfg, len(devices)), devices)
-    graphdef, params, model_state = nnx.split(create_model(cfg, 3), nnx.Param, ...)
-    params = jax.device_put(params, state_shardings(params, mesh))
-    model_state = jax.device_put(model_state, state_shardings(model_state, mesh))
-
-    def f(params, model_state, tokens, segments):
-        def loss(p, s):
-            return lm_loss(nnx.merge(graphdef, p, s), tokens, segments, mtp_weight=cfg.model.mtp_loss_weight)
-
-        (total, parts), (grads, _) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, model_state)
-        return total, parts.ce, parts.mtp_ce_D, parts.stats, grads
-
-    with jax.set_mesh(mesh):
-        sharding = batch_sharding(mesh)
-        args = (params, model_state, jax.device_put(tokens, sharding), jax.device_put(segments, sharding))
-        compiled = jax.jit(f).lower(*args).compile()
-        out = jax.device_get(compiled(*args))
-    total, ce, mtp, stats, grads = out
-    return (total, ce, mtp, stats, nnx.to_pure_dict(grads)), (compiled.as_text() if hlo else None)
-
-
 @functools.lru_cache(maxsize=None)
 def _one_device(make_config, seed: int):
     cfg = make_config()
     cfg.mesh.data = 1
-    return _loss_grads_stats(cfg, jax.devices()[:1], *_batch(seed))[0]
+    return loss_grads_stats(cfg, jax.devices()[:1], *_batch(seed))[0]
 
 
 @pytest.mark.parametrize("make_config, layout", [
@@ -91,7 +69,7 @@ def test_context_parallel_equals_one_device(devices, make_config, layout):
     cfg = make_config()
     for axis, size in layout.items():
         cfg.mesh[axis] = size
-    got, hlo = _loss_grads_stats(cfg, devices, *_batch(seed), hlo=True)
+    got, hlo = loss_grads_stats(cfg, devices, *_batch(seed), hlo=True)
     for name, a, b in zip(("total", "ce", "mtp_ce"), got[:3], ref[:3]):
         np.testing.assert_allclose(a, b, rtol=1e-5, err_msg=name)
     # balance statistics: loads exactly, the balance losses and mean probabilities to f32 rounding
@@ -144,11 +122,6 @@ def test_context_config_errors(change, message):
         cfg[group][name] = value
     with pytest.raises(ConfigError, match=message):
         validate(cfg, 8)
-
-
-class _Dev:
-    def __init__(self, i):
-        self.id, self.process_index = i, i // 4
 
 
 def test_context_sits_inside_the_nvlink_domain_with_expert_and_tensor():

@@ -51,7 +51,8 @@ def gqa_qknorm_config():
     return c
 
 
-def loss_and_grads(cfg, devices, tokens, segments):
+def loss_grads_stats(cfg, devices, tokens, segments, hlo: bool = False):
+    """((total, ce, mtp ce, MoE stats, gradients), the compiled program's text if `hlo`) of lm_loss on `devices`."""
     mesh = make_mesh(validate(cfg, len(devices)), devices)
     graphdef, params, model_state = nnx.split(create_model(cfg, 3), nnx.Param, ...)
     # The same initial values on both layouts, placed by the parameters' logical axes.
@@ -63,13 +64,19 @@ def loss_and_grads(cfg, devices, tokens, segments):
             return lm_loss(nnx.merge(graphdef, p, s), tokens, segments, mtp_weight=cfg.model.mtp_loss_weight)
 
         (total, parts), (grads, _) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, model_state)
-        return total, parts.ce, parts.mtp_ce_D, grads
+        return total, parts.ce, parts.mtp_ce_D, parts.stats, grads
 
     with jax.set_mesh(mesh):
         sharding = batch_sharding(mesh)
-        out = jax.jit(f)(params, model_state, jax.device_put(tokens, sharding), jax.device_put(segments, sharding))
-    total, ce, mtp, grads = jax.device_get(out)
-    return total, ce, mtp, nnx.to_pure_dict(grads)
+        args = (params, model_state, jax.device_put(tokens, sharding), jax.device_put(segments, sharding))
+        compiled = jax.jit(f).lower(*args).compile()
+        total, ce, mtp, stats, grads = jax.device_get(compiled(*args))
+    return (total, ce, mtp, stats, nnx.to_pure_dict(grads)), (compiled.as_text() if hlo else None)
+
+
+def loss_and_grads(cfg, devices, tokens, segments):
+    total, ce, mtp, _, grads = loss_grads_stats(cfg, devices, tokens, segments)[0]
+    return total, ce, mtp, grads
 
 
 @pytest.mark.parametrize("make_config, layout", [
