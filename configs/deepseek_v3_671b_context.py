@@ -14,6 +14,14 @@ are where pre-training left them. Each stage starts from the previous one's weig
     moejax-train --config configs/deepseek_v3_671b_context.py:128k --workdir CTX128 \\
         --config.checkpoint.init_from=CTX32/checkpoints/1000
 
+A 128K sequence does not fit one GPU's activations, and 480 sequences do not spread over hundreds of GPUs' batch
+axes: split each sequence over GPUs with context parallelism (`mesh.context`, docs/parallelism.md). Ask the planner
+for the layout at your GPU count and pass it as overrides, e.g. for 256 GB300s (its prediction, 2026-12-06):
+
+    moejax-plan --config configs/deepseek_v3_671b_context.py:128k --topology gb300-nvl72 --gpus 256
+    ... --config.mesh.context=2 --config.mesh.tensor=4 --config.mesh.expert=1 --config.model.remat=attention \\
+        --config.train.micro_batches=15   # fsdp 32 (the rest): 15 sequences per device, one per pass
+
 `checkpoint.init_from` takes a training checkpoint (WORKDIR/checkpoints/STEP) or a weights directory; the
 model fields must match pre-training's except the ones context extension changes (rope_scaling, yarn.*,
 max_seq_len: moejax/config/changes.py). Left unset, the run refuses to start.
