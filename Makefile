@@ -53,7 +53,8 @@ test-newest: $(VENV_GPU)/.installed
 	MOEJAX_GPU_COMPILE=1 JAX_PLATFORMS=cpu $(VENV_GPU)/bin/python -m pytest -n 2 --dist loadgroup tests
 
 test-gpu: $(VENV_GPU)/.installed
-	MOEJAX_GPU_COMPILE=1 JAX_PLATFORMS=cpu $(VENV_GPU)/bin/python -m pytest -q -n 2 --dist loadgroup tests/test_gpu_compile.py
+	MOEJAX_GPU_COMPILE=1 JAX_PLATFORMS=cpu $(VENV_GPU)/bin/python -m pytest -q -n 2 --dist loadgroup tests/test_gpu_compile.py \
+		tests/test_tokamax_kernels.py
 
 FP8_TRAINING = MOEJAX_FP8_TRAINING=1 $(VENV)/bin/python -m pytest -n 2 -q -m fp8_training tests/test_fp8_training.py
 PIPELINE_STEP = MOEJAX_PIPELINE_STEP=1 $(VENV)/bin/python -m pytest -n 2 -q -m pipeline_step tests/test_pipeline.py tests/test_pipeline_step.py

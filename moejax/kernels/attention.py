@@ -38,33 +38,33 @@ def document_start(segment_ids_BxL):
     return jax.lax.cummax(jnp.where(starts_BxL, pos_L[None, :], 0), axis=1)
 
 
-def _jax_nn(q, k, v, segment_ids_BxL, scale, implementation):
-    # jax.nn.dot_product_attention wants v's head dim equal to k's; MLA's is smaller (128 vs 192), so v is
-    # zero-padded and the padding sliced off.
+def _dot_product(q, k, v, scale, implementation, mask=None):
+    """jax.nn.dot_product_attention, causal without a mask. It wants v's head dim equal to k's; MLA's is smaller
+    (128 vs 192), so v is zero-padded and the padding sliced off."""
     v_dim, qk_dim = v.shape[-1], q.shape[-1]
     if v_dim != qk_dim:
         v = jnp.pad(v, [(0, 0)] * 3 + [(0, qk_dim - v_dim)])
+    out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=mask is None, scale=scale,
+                                       implementation=implementation)
+    return out[..., :v_dim]
+
+
+def _jax_nn(q, k, v, segment_ids_BxL, scale, implementation):
     # Under causality "same document" is "key at or after the query's document start": causality and documents
     # as one boolean [B, 1, L, L] from iota compares (jax would otherwise combine a document mask with its own
     # causal mask into a [B, H, L, L] one).
     if segment_ids_BxL is None:
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                            implementation=implementation)[..., :v_dim]
+        return _dot_product(q, k, v, scale, implementation)
     pos_L = jnp.arange(segment_ids_BxL.shape[1], dtype=jnp.int32)
     start_Bx1xLx1 = document_start(segment_ids_BxL)[:, None, :, None]
     mask = (pos_L[None, None, None, :] >= start_Bx1xLx1) & (pos_L[None, None, None, :] <= pos_L[None, None, :, None])
-    out = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation=implementation)
-    return out[..., :v_dim]
+    return _dot_product(q, k, v, scale, implementation, mask)
 
 
 def _jax_nn_ranges(q, k, v, k_start_BxQ, k_end_BxQ, scale, implementation):
-    v_dim, qk_dim = v.shape[-1], q.shape[-1]
-    if v_dim != qk_dim:  # as _jax_nn
-        v = jnp.pad(v, [(0, 0)] * 3 + [(0, qk_dim - v_dim)])
     pos_1x1x1xL = jnp.arange(k.shape[1], dtype=jnp.int32)[None, None, None, :]
     mask = (pos_1x1x1xL >= k_start_BxQ[:, None, :, None]) & (pos_1x1x1xL < k_end_BxQ[:, None, :, None])
-    out = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation=implementation)
-    return out[..., :v_dim]
+    return _dot_product(q, k, v, scale, implementation, mask)
 
 
 # tokamax's implementation objects take its Mask type, which carries k_start; its public
@@ -93,48 +93,33 @@ def _tokamax_ranges(q, k, v, k_start_BxQ, k_end_BxQ, scale, kernel):
     return _tokamax_run(q, k, v, scale, kernel, k_start=k_start_BxQ[:, None, :], k_end=k_end_BxQ[:, None, :])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _flash_residuals(q, k, v, segment_ids_BxL, scale):
-    return _jax_nn(q, k, v, segment_ids_BxL, scale, "xla")
+# flash_residuals' reference per mask kind: documents (segment ids or None) or key ranges (k_start, k_end).
+_REFERENCE = {"documents": _jax_nn, "ranges": _jax_nn_ranges}
 
 
-def _flash_residuals_fwd(q, k, v, segment_ids_BxL, scale):
-    out = _jax_nn(q, k, v, segment_ids_BxL, scale, "xla")
-    return out, (q, k, v, segment_ids_BxL, out)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _flash_residuals(kind, scale, q, k, v, masks):
+    return _REFERENCE[kind](q, k, v, *masks, scale, "xla")
 
 
-def _flash_residuals_bwd(scale, residuals, d_out):
-    q, k, v, segment_ids_BxL, _ = residuals
-    _, vjp = jax.vjp(lambda q, k, v: _jax_nn(q, k, v, segment_ids_BxL, scale, "xla"), q, k, v)
-    return (*vjp(d_out), None)
+def _flash_residuals_fwd(kind, scale, q, k, v, masks):
+    out = _REFERENCE[kind](q, k, v, *masks, scale, "xla")
+    return out, (q, k, v, masks, out)
+
+
+def _flash_residuals_bwd(kind, scale, residuals, d_out):
+    q, k, v, masks, _ = residuals
+    _, vjp = jax.vjp(lambda q, k, v: _REFERENCE[kind](q, k, v, *masks, scale, "xla"), q, k, v)
+    return (*vjp(d_out), tuple(None for _ in masks))
 
 
 _flash_residuals.defvjp(_flash_residuals_fwd, _flash_residuals_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _flash_residuals_ranges(q, k, v, k_start_BxQ, k_end_BxQ, scale):
-    return _jax_nn_ranges(q, k, v, k_start_BxQ, k_end_BxQ, scale, "xla")
-
-
-def _flash_residuals_ranges_fwd(q, k, v, k_start_BxQ, k_end_BxQ, scale):
-    out = _jax_nn_ranges(q, k, v, k_start_BxQ, k_end_BxQ, scale, "xla")
-    return out, (q, k, v, k_start_BxQ, k_end_BxQ, out)
-
-
-def _flash_residuals_ranges_bwd(scale, residuals, d_out):
-    q, k, v, k_start_BxQ, k_end_BxQ, _ = residuals
-    _, vjp = jax.vjp(lambda q, k, v: _jax_nn_ranges(q, k, v, k_start_BxQ, k_end_BxQ, scale, "xla"), q, k, v)
-    return (*vjp(d_out), None, None)
-
-
-_flash_residuals_ranges.defvjp(_flash_residuals_ranges_fwd, _flash_residuals_ranges_bwd)
-
-
 def attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, segment_ids_BxL, scale: float, *, kernel: str):
     """softmax(q k^T * scale) v over keys that are causal and in the query's document; [B, L, H, V]."""
     if kernel == "flash_residuals":
-        return _flash_residuals(q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, segment_ids_BxL, scale)
+        return _flash_residuals("documents", scale, q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, (segment_ids_BxL,))
     if kernel in ("xla", "cudnn"):
         return _jax_nn(q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, segment_ids_BxL, scale, kernel)
     if kernel in _TOKAMAX_IMPLEMENTATION:
@@ -145,7 +130,7 @@ def attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, segment_ids_BxL, scale: float, *,
 def attention_in_ranges(q_BxQxHxK, k_BxLxGxK, v_BxLxGxV, k_start_BxQ, k_end_BxQ, scale: float, *, kernel: str):
     """softmax(q k^T * scale) v over each query's keys k_start <= k < k_end (sequence order); [B, Q, H, V]."""
     if kernel == "flash_residuals":
-        return _flash_residuals_ranges(q_BxQxHxK, k_BxLxGxK, v_BxLxGxV, k_start_BxQ, k_end_BxQ, scale)
+        return _flash_residuals("ranges", scale, q_BxQxHxK, k_BxLxGxK, v_BxLxGxV, (k_start_BxQ, k_end_BxQ))
     if kernel in ("xla", "cudnn"):
         return _jax_nn_ranges(q_BxQxHxK, k_BxLxGxK, v_BxLxGxV, k_start_BxQ, k_end_BxQ, scale, kernel)
     if kernel in _TOKAMAX_IMPLEMENTATION:

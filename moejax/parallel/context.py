@@ -3,11 +3,12 @@
 The model works on the positions in *context order*: the sequence cut into 2 C equal pieces, context shard i
 holding pieces i and 2 C - 1 - i (a front and a back piece). Under causal attention the work of a query grows with
 its position, so each shard gets the same work (Megatron-Core's and TorchTitan's load-balanced causal split).
-Per-token work (embedding, norms, projections, the MoE dispatch, the loss) does not care about the order; the order
+Per-token work (embedding, norms, projections, the MoE dispatch, the loss) does not care about the order (a device's
+tokens stay where they are: `tokens_of`, `fold_context_into_rows`); the order
 is applied once to the token ids, positions and targets where the model starts (`to_context_order`), and attention
 is the one place that sees other shards' positions: it all-gathers what its keys are made from (MLA's compressed
 latent and shared RoPE key, GQA's K/V heads) over `context` and puts them back in sequence order
-(`gather_sequence`); each shard's queries then attend over the whole sequence with their key range [start of the
+(`map_over_context_queries`); each shard's queries then attend over the whole sequence with their key range [start of the
 query's document, query position] (`ContextQueries`), which is causality and the document mask in one.
 
 RoPE/YaRN read the positions computed on the whole sequence before the reorder (global positions, restarting per
@@ -55,13 +56,18 @@ def balanced_order(seq: int, parts: int) -> np.ndarray:
     return np.concatenate([np.concatenate([pieces[i], pieces[2 * parts - 1 - i]]) for i in range(parts)])
 
 
-def to_context_order(a_BxL, parts: int, names=("batch", "seq")):
+def _sequence_order(seq: int, parts: int) -> np.ndarray:
+    """[seq] indices that put context-ordered positions back in sequence order (balanced_order's inverse)."""
+    return np.argsort(balanced_order(seq, parts))
+
+
+def to_context_order(a_BxL, parts: int):
     """[B, L, ...] in sequence order -> context order, split over `context` (a static gather: the arrays it takes
     are replicated over `context`, so each shard picks its own positions)."""
     if parts == 1:
         return a_BxL
     order = balanced_order(a_BxL.shape[1], parts)
-    return constrain(jnp.take(a_BxL, order, axis=1), (*names, *[None] * (a_BxL.ndim - len(names))))
+    return constrain(jnp.take(a_BxL, order, axis=1), ("batch", "seq", *[None] * (a_BxL.ndim - 2)))
 
 
 def context_queries(positions_BxL, parts: int) -> tuple[ContextQueries, jax.Array]:
@@ -73,18 +79,13 @@ def context_queries(positions_BxL, parts: int) -> tuple[ContextQueries, jax.Arra
 
 
 def gather_sequence(x_BxLxN, parts: int, trailing=()):
-    """[B, L, ...] in context order, split over `context` -> all-gathered over `context`, in sequence order, whole
-    on every shard (the backward: the matching reduce-scatter). What attention's keys and values are made from.
-    `trailing`: logical names of the dims after L (default: whole)."""
+    """[B, L, ...] in context order, split over `context` -> whole on every shard, in sequence order (the model's
+    logits for callers outside the loss). `trailing`: logical names of the dims after L (default: whole)."""
     if parts == 1:
         return x_BxLxN
     trailing = tuple(trailing) + (None,) * (x_BxLxN.ndim - 2 - len(trailing))
-    # Pinned split first: GSPMD would otherwise meet the whole-sequence constraint by all-gathering the producer's
-    # input instead (measured: GQA's hidden states, D values per position, rather than its K/V heads).
-    local = constrain(x_BxLxN, ("batch", "seq", *trailing))
-    whole = constrain(local, ("batch", None, *trailing))
-    inverse = np.argsort(balanced_order(x_BxLxN.shape[1], parts))
-    return constrain(jnp.take(whole, inverse, axis=1), ("batch", None, *trailing))
+    whole = constrain(x_BxLxN, ("batch", None, *trailing))
+    return constrain(jnp.take(whole, _sequence_order(x_BxLxN.shape[1], parts), axis=1), ("batch", None, *trailing))
 
 
 def _row_shards() -> int:
@@ -134,7 +135,7 @@ def _in_sequence_order(x_local_BxLxN, parts: int):
     order, shard after shard) and put in sequence order. Its transpose is a reduce-scatter: each device's partial
     gradient of the whole sequence is summed over `context` into the pieces it holds."""
     whole = jax.lax.all_gather(x_local_BxLxN, CONTEXT_AXIS, axis=1, tiled=True)
-    return jnp.take(whole, np.argsort(balanced_order(whole.shape[1], parts)), axis=1)
+    return jnp.take(whole, _sequence_order(whole.shape[1], parts), axis=1)
 
 
 def map_over_context_queries(fn, q_BxLxHxK, per_position, weights, queries: ContextQueries):
