@@ -178,6 +178,7 @@ def test_pipelined_dropless_runs_ragged_exchanges_inside_the_stages(h200_pipelin
 _GB300_DRY_RUN = """
 import json, os, sys
 os.environ["JAX_PLATFORMS"] = "cpu"
+sys.path.insert(0, "tests")  # as pytest does (tests/ has no __init__.py): the module imports its sibling gpu_extra
 from moejax.parallel.hlo_kernels import array_shapes
 from moejax.planner.dry_run import dry_run
 from tests.test_gpu_compile import DROPLESS_D_FF, _dots_with_shapes, gpu_config
