@@ -30,6 +30,7 @@ from moejax.model.layers import LAYERS_AXIS_METADATA, MLP, Embed, RMSNorm, dtype
 from moejax.model.moe import MoE, MoEStats, combine_micro_stats
 from moejax.model.rope import segment_positions
 from moejax.parallel.context import context_queries, context_size, gather_sequence, to_context_order
+from moejax.parallel.layouts import block_in_default_layout
 from moejax.parallel.mesh import constrain, current_mesh, inside_stage
 from moejax.remat_names import ATTENTION_OUT, EXPERT_EXCHANGE, EXPERT_GEMM
 from moejax.parallel.pipeline import (chunk_slots, circular_pipeline, layer_slots, merge_micro_batches,
@@ -196,7 +197,13 @@ def _layer_range(blocks, start: int, stop: int):
 def _run_stack(blocks, x_BxLxD, positions_BxL, segment_ids_BxL, remat: str, is_layer_L=None):
     """The stacked blocks in order. is_layer_L: [L] bool or None; a False slot (an uneven pipeline split's
     identity slot) passes its input through (its block still runs: stages compute in lockstep)."""
-    body = _remat(lambda block, x, positions, segments: block(x, positions, segments), remat)
+    def layer(block, x, positions, segments):
+        # Inside the remat: the pinned slice is recomputed from the stack in the backward, not saved per layer.
+        graphdef, weights = nnx.split(block)
+        block = nnx.merge(graphdef, block_in_default_layout(weights))  # no stacked copy in a gather's layout (layouts.py)
+        return block(x, positions, segments)
+
+    body = _remat(layer, remat)
 
     @nnx.scan(in_axes=(nnx.Carry, 0, None if is_layer_L is None else 0, None, None), out_axes=(nnx.Carry, 0),
               transform_metadata=LAYERS_AXIS_METADATA)

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from moejax.kernels import fp8, grouped_gemm
 from moejax.kernels.varying import int_cotangent as _int_cotangent
-from moejax.parallel.mesh import EXPERT_AXIS, inside_pipeline_stage, token_axes
+from moejax.parallel.mesh import EXPERT_AXIS, inside_pipeline_stage, mesh_platform, token_axes
 from moejax.parallel.routing_plan import combine_rows, dispatch_rows
 from moejax.remat_names import EXPERT_EXCHANGE
 
@@ -102,12 +102,6 @@ class How(NamedTuple):
     platform: str | None
     axes: tuple[str, ...]
     in_stage: bool
-
-
-def mesh_platform(mesh) -> str | None:
-    """'gpu', 'cpu', ... of the abstract mesh's devices; None for a mesh that names none."""
-    device = getattr(mesh, "abstract_device", None)
-    return None if device is None else ("gpu" if device.platform in ("gpu", "cuda", "rocm") else device.platform)
 
 
 def trace_how() -> How:

@@ -2,10 +2,11 @@
 Triton kernels, cuBLAS GEMMs) and fusion kinds (XLA:GPU's kLoop / kInput / kOutput, and kCustom fusions named
 by their backend kind, e.g. Triton GEMMs), each with its count as it appears in the text (a scan body once).
 Also the operand element types of every dot (f8e4m3fn x f8e4m3fn: an FP8 GEMM) and the array shapes the program
-holds, for tests that assert a buffer does not exist."""
+holds, for tests that assert a buffer does not exist, and the whole-stack relayouts of stacked weights."""
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 
@@ -65,3 +66,27 @@ def lowered_custom_calls(stablehlo_text: str) -> dict[str, dict[str, int]]:
 def array_shapes(hlo_text: str) -> set[tuple[str, tuple[int, ...]]]:
     """Every (element type, dims) that appears in the program."""
     return {(m["dtype"], tuple(int(d) for d in m["dims"].split(",") if d)) for m in _ARRAY.finditer(hlo_text)}
+
+
+_ITEMSIZE = {"f64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2}
+_STACKED_PARAMETER = re.compile(
+    r"%[\w.\-]+ = (?P<dtype>\w+)\[(?P<dims>[0-9,]+)\]\{[0-9,]*\} parameter\(\d+\), "
+    r"metadata=\{op_name=\"state\.params\[\\?'\w*layers\\?'\]")
+
+
+def stacked_weight_copies(hlo_text: str) -> dict[str, int]:
+    """Arrays of the compiled program that hold a whole layer stack of a parameter in another dimension order
+    ('f32[3584,58,8,2048]': bytes of one): XLA's relayout of a stacked weight for a gather (moejax/parallel/
+    layouts.py), or of its gradient. Found by shape: the stacked parameter's dims (layers first) permuted so
+    that the layer dim is not first. Stacks whose layer count equals another of their dims are not checked."""
+    stacks = set()
+    for m in _STACKED_PARAMETER.finditer(hlo_text):
+        dims = tuple(int(d) for d in m["dims"].split(","))
+        if len(dims) >= 3 and dims.count(dims[0]) == 1:
+            stacks.add((m["dtype"], dims))
+    copies = {}
+    for dtype, dims in array_shapes(hlo_text):
+        for stack_dtype, stack in stacks:
+            if dtype == stack_dtype and dims != stack and sorted(dims) == sorted(stack) and dims[0] != stack[0]:
+                copies[f"{dtype}[{','.join(map(str, dims))}]"] = math.prod(dims) * _ITEMSIZE.get(dtype, 4)
+    return dict(sorted(copies.items()))

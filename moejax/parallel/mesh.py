@@ -134,6 +134,12 @@ def current_mesh():
     return mesh
 
 
+def mesh_platform(mesh) -> str | None:
+    """'gpu', 'cpu', ... of the abstract mesh's devices; None for a mesh that names none."""
+    device = getattr(mesh, "abstract_device", None)
+    return None if device is None else ("gpu" if device.platform in ("gpu", "cuda", "rocm") else device.platform)
+
+
 def constrain(x, names):
     """Sharding constraint by logical names; a no-op when no mesh is set (single-device reference)."""
     if current_mesh() is None:

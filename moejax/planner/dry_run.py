@@ -23,7 +23,7 @@ from moejax.config import validate
 from moejax.model.accounting import flops_per_token
 from moejax.kernels.resolve import KERNEL_FIELDS, apply_kernels, devices_compute_capability, devices_platform
 from moejax.parallel.hlo_collectives import bytes_by_dtype, collectives, overlap
-from moejax.parallel.hlo_kernels import kernel_inventory, lowered_custom_calls
+from moejax.parallel.hlo_kernels import kernel_inventory, lowered_custom_calls, stacked_weight_copies
 from moejax.parallel.xla_gpu_flags import describe as describe_xla_flags
 from moejax.parallel.mesh import batch_sharding, make_mesh
 from moejax.parallel.topology import TOPOLOGIES, get_topology
@@ -124,6 +124,8 @@ def dry_run(cfg, n_devices: int, target: str | None = None, *, keep_hlo: bool = 
                 "output_bytes": mem.output_size_in_bytes, "alias_bytes": mem.alias_size_in_bytes,
                 "temp_bytes": mem.temp_size_in_bytes, "flops": float(cost.get("flops", 0.0)),
                 "kernels": kernel_inventory(hlo),
+                # whole layer stacks relaid out for a gather (parallel/layouts.py keeps them out): none expected
+                "stacked_weight_copies": stacked_weight_copies(hlo),
                 # what jax asked XLA for, before XLA's passes (e.g. block-scaled FP8 dots it may expand)
                 "lowered_custom_calls": lowered_custom_calls(lowered.as_text()),
                 "collective_bytes": hlo_kinds, "collective_bytes_by_dtype": xla_dtypes,
@@ -196,6 +198,9 @@ def format_report(r: dict) -> str:
         dots = ", ".join(f"{t} x{n}" for t, n in x["kernels"].get("dots", {}).items()) or "none"
         lines += [f"  custom calls (as in the text): {calls}", f"  fusions: {fusions}",
                   f"  dot operand types (lhs x rhs): {dots}"]
+    if x.get("stacked_weight_copies"):
+        copies = ", ".join(f"{shape} ({n / gib:.2f} GiB)" for shape, n in x["stacked_weight_copies"].items())
+        lines.append(f"  whole-stack weight relayouts (one of each shape): {copies}")
     if r.get("collectives"):
         lines.append(f"  {'collective':20s} {'dtype':>10s} {'group':>6s} {'MB each':>10s} {'x/step':>7s} "
                      f"{'overlap':>7s}  op")
