@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moejax.kernels import fp8
+from moejax.parallel.mesh import constrain
 
 # Stacked (scanned) layers get this logical name on their new leading dim.
 LAYERS_AXIS_METADATA = {nnx.PARTITION_NAME: "layers", "logical_axes": "layers"}
@@ -97,7 +98,11 @@ class Embed(nnx.Module):
     def __call__(self, tokens_BxL, dtype):
         # Rows gathered from the f32 table, then cast: the gradient is an f32 scatter-add into the table (a bf16
         # one would round every token's contribution to a row as it adds up).
-        return jnp.take(self.table_VxD[...], tokens_BxL, axis=0).astype(dtype)
+        # The table whole over fsdp first: GSPMD cannot give the rows both the tokens' batch split and the table's
+        # fsdp split of d_model (fsdp is a batch axis too), and resolved it by gathering the whole batch's rows on
+        # every expert rank ([global batch, L, D / fsdp] f32 per device: 28 GiB for DeepSeek-V3's 32K stage).
+        table_VxD = constrain(self.table_VxD[...], ("vocab", None))
+        return jnp.take(table_VxD, tokens_BxL, axis=0).astype(dtype)
 
 
 class MLP(nnx.Module):
