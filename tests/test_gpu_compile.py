@@ -323,8 +323,8 @@ def test_deepseek_v3_small_memory_next_to_the_planner(dispatch, fsdp, bound):
     case (data 2): the distributed optimizer's all-gather of the new parameters over data, along a dim that is not
     their first, still relays out whole stacks there (f32[128,3,4,32] and 14 more; open, see RESULTS.md). 2026-12-06, dropless on
     fsdp 2 x expert 4 with the pin and the embedding table gathered over fsdp: XLA 41.11 MB, planner 40.38 MB (-1.8%);
-    capacity (data 2 x expert 4): XLA 37.37 MB, planner 42.11 MB (+12.7%; 38.61 MB, +9.1%, before the pin,
-    which applies to every GPU program, fsdp or not)."""
+    capacity (data 2 x expert 4, no fsdp: no pin): XLA 37.94 MB, planner 42.11 MB (+11.0%; XLA 38.61 MB, +9.1%,
+    before the embedding lookup's table was gathered: the planner's over-prediction grew as XLA's memory fell)."""
     from moejax.parallel.hlo_kernels import array_shapes, stacked_weight_copies
     from moejax.planner.dry_run import dry_run
 
