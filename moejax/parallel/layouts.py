@@ -5,7 +5,7 @@ weight whose fsdp-split dimension is not its first is laid out with that dimensi
 Layout assignment carries that choice back through the layer's dynamic slice to the whole stacked parameter
 the scan reads: XLA then copies every such stacked f32 parameter into the gather's layout before the layer loop
 and keeps the copy for the loop's life (DeepSeek-V3 671B at fsdp 2 x expert 32 on GB300: four 13.6 GB copies,
-the routed experts' three weights and the attention output, 55 GiB per device in all).
+the routed experts' three weights and the attention output, and smaller ones: 53.8 GiB per device).
 
 `block_in_default_layout` pins a layer's slice of the stack to the parameter's own (row-major) layout: the gather's
 relayout then happens on the one layer's slice inside the loop, fused with the cast to the compute dtype,
