@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-_DTYPE_BYTES = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2,
+DTYPE_BYTES = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2,
                 "u16": 2, "s8": 1, "u8": 1, "pred": 1, "f8e4m3fn": 1, "f8e5m2": 1}
 _KINDS = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute", "ragged-all-to-all")
 _OP = re.compile(r"=\s*(?P<result>\(.*?\)|\S+)\s+(?P<kind>" + "|".join(_KINDS) + r")(?:-start)?\(")
@@ -69,12 +69,12 @@ class Collective:
 def _bytes_by_dtype(shapes: str) -> dict[str, int]:
     out: dict[str, int] = defaultdict(int)
     for m in _SHAPE.finditer(shapes):
-        if m["dtype"] not in _DTYPE_BYTES:
+        if m["dtype"] not in DTYPE_BYTES:
             continue
         n = 1
         for d in filter(None, m["dims"].split(",")):
             n *= int(d)
-        out[m["dtype"]] += n * _DTYPE_BYTES[m["dtype"]]
+        out[m["dtype"]] += n * DTYPE_BYTES[m["dtype"]]
     return dict(out)
 
 

@@ -10,6 +10,8 @@ import math
 import re
 from collections import Counter
 
+from moejax.parallel.hlo_collectives import DTYPE_BYTES
+
 _CUSTOM_CALL = re.compile(r'custom_call_target="(?P<target>[^"]+)"')
 _FUSION = re.compile(r"\bfusion\(.*?kind=(?P<kind>k\w+)")
 _BACKEND_KIND = re.compile(r'"kind":"(?P<kind>[^"]+)"')
@@ -68,7 +70,6 @@ def array_shapes(hlo_text: str) -> set[tuple[str, tuple[int, ...]]]:
     return {(m["dtype"], tuple(int(d) for d in m["dims"].split(",") if d)) for m in _ARRAY.finditer(hlo_text)}
 
 
-_ITEMSIZE = {"f64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2}
 _STACKED_PARAMETER = re.compile(
     r"%[\w.\-]+ = (?P<dtype>\w+)\[(?P<dims>[0-9,]+)\]\{[0-9,]*\} parameter\(\d+\), "
     r"metadata=\{op_name=\"state\.params\[\\?'\w*layers\\?'\]")
@@ -88,5 +89,5 @@ def stacked_weight_copies(hlo_text: str) -> dict[str, int]:
     for dtype, dims in array_shapes(hlo_text):
         for stack_dtype, stack in stacks:
             if dtype == stack_dtype and dims != stack and sorted(dims) == sorted(stack) and dims[0] != stack[0]:
-                copies[f"{dtype}[{','.join(map(str, dims))}]"] = math.prod(dims) * _ITEMSIZE.get(dtype, 4)
+                copies[f"{dtype}[{','.join(map(str, dims))}]"] = math.prod(dims) * DTYPE_BYTES[dtype]
     return dict(sorted(copies.items()))
