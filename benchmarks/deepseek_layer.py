@@ -8,9 +8,11 @@ the same run. Prints a table and writes JSON.
     python benchmarks/deepseek_layer.py --scale 0.125 --tokens 512 --seq 512 --dtype float32   # CPU smoke run
 
 Kernels are the config's strategies (moejax/kernels/resolve.py): `--attention` and `--expert_gemm` (default
-auto) are resolved against the platform of jax.devices()[0] (this is a one-device script) and printed; auto is
-xla / einsum on CPU, tokamax_mosaic / tokamax (dropless grouped GEMM) on GPU. A kernel the platform, the head
-dims or the installed packages cannot run is refused with the ConfigError saying what to change.
+auto) are resolved against the platform of jax.devices()[0] (this is a one-device script) for `--dispatch`, as a
+training run resolves them, and printed (`xla (auto)/tile_loop (auto)`); auto is xla with tile_loop for dropless
+(einsum for capacity) on CPU, tokamax_mosaic with tokamax for dropless (einsum for capacity) on GPUs. A kernel the
+platform, the head dims or the installed packages cannot run is refused with the ConfigError saying what to
+change.
 
 `--dispatch capacity` runs the capacity path (capacity factor 1.25, batched einsum GEMMs) instead of dropless;
 `--fp8 blockwise|rowwise|mxfp8` runs the GEMMs in FP8 (model.fp8; the expert GEMM is then the einsum one). The JSON records
@@ -39,7 +41,7 @@ from flax import nnx
 from moejax.config import ATTENTION_KERNELS, EXPERT_GEMM_KERNELS, ConfigError, default_config
 from moejax.config.schema import FP8_FORMATS
 from moejax.kernels import fp8
-from moejax.kernels.resolve import apply_kernels
+from moejax.kernels.resolve import apply_kernels, devices_compute_capability, devices_platform, kernel_label
 from moejax.model.accounting import FLOPS_PER_MAC_TRAIN, _attention_macs_per_token
 from moejax.model.transformer import Block
 from moejax.parallel.hlo_kernels import kernel_inventory
@@ -88,9 +90,10 @@ def main():
     args = p.parse_args()
 
     cfg = slice_config(args.scale, args.top_k, args.dtype, args.attention, args.expert_gemm, args.dispatch, args.fp8)
-    platform = jax.devices()[0].platform
+    device = jax.devices()[:1]
+    platform = devices_platform(device)
     try:
-        print(apply_kernels(cfg, platform), flush=True)
+        print(apply_kernels(cfg, platform, devices_compute_capability(device)), flush=True)
     except ConfigError as err:
         sys.exit(f"deepseek_layer: {err}")
     dt = jnp.dtype(args.dtype)
@@ -131,10 +134,11 @@ def main():
            "compile_s": round(compile_s, 2), "step_ms": round(step_s * 1e3, 3),
            "model_tflop_per_step": flops / 1e12, "tflops": flops / step_s / 1e12,
            "matmul_peak_tflops": peak / 1e12, "mfu_vs_measured_peak": flops / step_s / peak}
-    kernels = f"{cfg.kernels.attention}/{cfg.kernels.expert_gemm}" + (f"/fp8 {args.fp8}" if args.fp8 != "none" else "")
-    print(f"{'device':<24}{'dtype':<10}{'attn/gemm':<24}{'tokens':>8}{'step ms':>10}{'TFLOP/s':>10}"
+    kernels = "/".join(kernel_label(cfg.kernels[k], getattr(args, k)) for k in ("attention", "expert_gemm"))
+    kernels += f"/fp8 {args.fp8}" if args.fp8 != "none" else ""
+    print(f"{'device':<24}{'dtype':<10}{'attn/gemm':<40}{'tokens':>8}{'step ms':>10}{'TFLOP/s':>10}"
           f"{'peak TFLOP/s':>14}{'MFU':>8}")
-    print(f"{row['device']:<24}{row['dtype']:<10}{kernels:<24}{row['tokens']:>8}{row['step_ms']:>10.2f}"
+    print(f"{row['device']:<24}{row['dtype']:<10}{kernels:<40}{row['tokens']:>8}{row['step_ms']:>10.2f}"
           f"{row['tflops']:>10.2f}{row['matmul_peak_tflops']:>14.1f}{row['mfu_vs_measured_peak']:>8.1%}")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(row, indent=2))

@@ -27,8 +27,10 @@ and the other kernels still run.
     python benchmarks/kernels.py --scale 0.0625 --tokens 256 --seq 256 --dtype float32   # CPU smoke run
     python benchmarks/kernels.py --results_rows benchmarks/results/*.json   # rows for benchmarks/RESULTS.md
 
-`--expert_gemm` / `--attention` take a comma-separated list; `auto` resolves against jax.devices()[0]'s
-platform (CPU: einsum, xla; GPU: tokamax, tokamax_mosaic).
+`--expert_gemm` / `--attention` take a comma-separated list (default `auto`); each is resolved by
+moejax/kernels/resolve.py against the device's platform as a training run with MLA and dropless dispatch resolves
+it, and the table prints what ran: `auto` is tile_loop and xla on CPU (printed `tile_loop (auto)`), tokamax and
+tokamax_mosaic on GPUs. tile_loop runs as dropless runs it: the tile plan of the rows' experts, then the loop.
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ import numpy as np
 from moejax.config import ConfigError, default_config
 from moejax.kernels.attention import attention
 from moejax.kernels.grouped_gemm import expert_ffn, ragged_expert_ffn
-from moejax.kernels.resolve import resolve_kernels
+from moejax.kernels.resolve import devices_compute_capability, devices_platform, kernel_label, resolve_kernel
+from moejax.parallel.dropless import tile_rows, window_expert_ffn
 from moejax.parallel.hlo_kernels import gemm_custom_calls
 
 FLOP_CONVENTION = {
@@ -87,16 +90,16 @@ def rel_err(out, ref) -> float:
     return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-def resolve_one(field: str, asked: str, platform: str, dtype: str) -> str:
+def resolve_one(field: str, asked: str, platform: str, compute_capability: float | None, dtype: str,
+                d_model: int = 7168, d_ff: int = 2048) -> str:
     """The concrete kernel `asked` is for kernels.<field> on `platform` (ConfigError if it cannot run): the
     config is DeepSeek-V3's MLA with dropless dispatch, so auto is the dropless grouped GEMM / flash attention."""
     cfg = default_config()
     m = cfg.model
     m.attention, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.dtype = "mla", 128, 64, 128, dtype
-    cfg.moe.dispatch = "dropless"
-    cfg.kernels.attention, cfg.kernels.expert_gemm = "xla", "einsum"  # the other field: runs anywhere
+    m.d_model, cfg.moe.d_ff_expert, cfg.moe.dispatch = d_model, d_ff, "dropless"
     cfg.kernels[field] = asked
-    return resolve_kernels(cfg, platform)[field]
+    return resolve_kernel(cfg, field, platform, compute_capability)
 
 
 def group_sizes(rows: int, experts: int, alpha: float, seed: int) -> np.ndarray:
@@ -105,7 +108,7 @@ def group_sizes(rows: int, experts: int, alpha: float, seed: int) -> np.ndarray:
     return rng.multinomial(rows, rng.dirichlet(np.full(experts, alpha))).astype(np.int32)
 
 
-def bench_grouped_gemm(args, platform: str, dt) -> dict:
+def bench_grouped_gemm(args, platform: str, cc: float | None, dt) -> dict:
     n_exp, dim, ffn = args.experts, max(8, int(args.d_model * args.scale)), max(8, int(args.d_ff * args.scale))
     rows = args.tokens * args.top_k
     sizes = group_sizes(rows, n_exp, args.group_alpha, args.seed)
@@ -133,7 +136,7 @@ def bench_grouped_gemm(args, platform: str, dt) -> dict:
     for asked in args.expert_gemm.split(","):
         row = {"asked": asked}
         try:
-            kernel = row["kernel"] = resolve_one("expert_gemm", asked, platform, args.dtype)
+            kernel = row["kernel"] = resolve_one("expert_gemm", asked, platform, cc, args.dtype, dim, ffn)
             if kernel == "einsum":
                 cap = int(sizes.max()) if args.capacity_factor <= 0 else math.ceil(args.capacity_factor * rows / n_exp)
                 kept = np.minimum(sizes, cap)
@@ -148,6 +151,13 @@ def bench_grouped_gemm(args, platform: str, dt) -> dict:
                 inputs, ct = (to_buffer(x_RxD), w_gate, w_up, w_down), to_buffer(ct_RxD)
                 real_rows, exec_rows = int(kept.sum()), n_exp * cap
                 row.update(capacity=cap, dropped_rows=int(rows - kept.sum()))
+            elif kernel == "tile_loop":  # rows in any order with their experts, as dropless hands them over
+                expert_R = jnp.asarray(np.repeat(np.arange(n_exp, dtype=np.int32), sizes))
+                f = lambda x, wg, wu, wd: window_expert_ffn(  # noqa: E731
+                    x, expert_R, wg, wu, wd, gemm="tile_loop", ffn_axis=None)
+                inputs, ct = (x_RxD, w_gate, w_up, w_down), ct_RxD
+                tile = row["tile_rows"] = tile_rows(rows, n_exp)
+                real_rows, exec_rows = rows, int((-(-sizes // tile)).sum()) * tile
             else:
                 f = lambda x, wg, wu, wd, k=kernel: ragged_expert_ffn(  # noqa: E731
                     x, wg, wu, wd, jnp.asarray(sizes), kernel=k)
@@ -204,7 +214,7 @@ def document_segments(batch: int, seq: int, mean_len: int, seed: int) -> np.ndar
     return seg
 
 
-def bench_attention(args, platform: str, dt) -> dict:
+def bench_attention(args, platform: str, cc: float | None, dt) -> dict:
     batch, seq = max(1, args.tokens // args.seq), args.seq
     heads, d_qk, d_v = max(1, int(args.heads * args.scale)), 192, 128
     doc_len = args.doc_len or max(1, seq // 4)
@@ -228,7 +238,7 @@ def bench_attention(args, platform: str, dt) -> dict:
     for asked in args.attention.split(","):
         row = {"asked": asked}
         try:
-            kernel = row["kernel"] = resolve_one("attention", asked, platform, args.dtype)
+            kernel = row["kernel"] = resolve_one("attention", asked, platform, cc, args.dtype)
             step = fwd_bwd(lambda q, k, v, kernel=kernel: attention(q, k, v, seg, scale, kernel=kernel))
             row["fwd_rel_err"] = rel_err(jax.block_until_ready(step(ct, q, k, v))[0], ref)
             sec = timed_median(step, (ct, q, k, v), args.warmup, args.steps)
@@ -249,6 +259,11 @@ def _version(pkg: str) -> str | None:
         return None
 
 
+def _label(row: dict) -> str:
+    """A kernel row's kernel as printed: 'tile_loop (auto)' when auto chose it, the asked name if refused."""
+    return kernel_label(row["kernel"], row["asked"]) if "kernel" in row else row["asked"]
+
+
 def print_table(res: dict):
     print(f"\n{res['device']} ({res['platform']}), {res['dtype']}, jax {res['jax']}, tokamax {res['tokamax']}")
     if "grouped_gemm" in res:
@@ -256,29 +271,29 @@ def print_table(res: dict):
         s = g["shape"]
         print(f"grouped GEMM fwd+bwd: {s['experts']} experts x [{s['d_model']} -> {s['d_ff']} -> {s['d_model']}] SwiGLU,"
               f" {s['rows']} rows, groups {g['group_sizes']}")
-        print(f"  {'kernel':<16}{'rows':>14}{'step ms':>10}{'TFLOP/s':>10}{'dense TFLOP/s':>15}{'ratio':>8}"
+        print(f"  {'kernel':<20}{'rows':>14}{'step ms':>10}{'TFLOP/s':>10}{'dense TFLOP/s':>15}{'ratio':>8}"
               f"{'rel err':>10}")
         for r in g["kernels"]:
             if r["status"] != "ok":
-                print(f"  {r.get('kernel', r['asked']):<16}{r['status']}: {r['reason']}")
+                print(f"  {_label(r):<20}{r['status']}: {r['reason']}")
                 continue
             rows = f"{r['real_rows']}/{r['executed_rows']}"
-            print(f"  {r['kernel']:<16}{rows:>14}{r['step_ms']:>10.3f}{r['tflops']:>10.2f}{r['dense_tflops']:>15.2f}"
+            print(f"  {_label(r):<20}{rows:>14}{r['step_ms']:>10.3f}{r['tflops']:>10.2f}{r['dense_tflops']:>15.2f}"
                   f"{r['ratio_vs_dense']:>8.2f}{r['fwd_rel_err']:>10.1e}")
         for d in g["dense"]:
-            print(f"  {'dense jnp.dot':<16}{d['rows']:>14}{d['step_ms']:>10.3f}{d['tflops']:>10.2f}   {d['shape']}")
+            print(f"  {'dense jnp.dot':<20}{d['rows']:>14}{d['step_ms']:>10.3f}{d['tflops']:>10.2f}   {d['shape']}")
     if "attention" in res:
         a = res["attention"]
         s = a["shape"]
         print(f"attention fwd+bwd: B {s['batch']} x L {s['seq']} x H {s['heads']}, d_qk {s['d_qk']}, d_v {s['d_v']}, "
               f"causal, {s['documents']} documents ({a['causal_pairs_fraction_in_documents']:.1%} of the causal pairs "
               f"in documents)")
-        print(f"  {'kernel':<16}{'step ms':>10}{'TFLOP/s':>10}{'rel err':>10}")
+        print(f"  {'kernel':<20}{'step ms':>10}{'TFLOP/s':>10}{'rel err':>10}")
         for r in a["kernels"]:
             if r["status"] != "ok":
-                print(f"  {r.get('kernel', r['asked']):<16}{r['status']}: {r['reason']}")
+                print(f"  {_label(r):<20}{r['status']}: {r['reason']}")
                 continue
-            print(f"  {r['kernel']:<16}{r['step_ms']:>10.3f}{r['tflops']:>10.2f}{r['fwd_rel_err']:>10.1e}")
+            print(f"  {_label(r):<20}{r['step_ms']:>10.3f}{r['tflops']:>10.2f}{r['fwd_rel_err']:>10.1e}")
 
 
 def _num(x: float) -> str:
@@ -413,16 +428,16 @@ def main():
         return
 
     dev = jax.devices()[0]
-    platform, dt = dev.platform, jnp.dtype(args.dtype)
+    platform, cc, dt = devices_platform([dev]), devices_compute_capability([dev]), jnp.dtype(args.dtype)
     res = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
            "command": shlex.join(["python", *sys.argv]), "device": dev.device_kind, "platform": platform,
            "jax": jax.__version__, "tokamax": _version("tokamax"), "dtype": args.dtype, "scale": args.scale,
            "warmup": args.warmup, "steps": args.steps, "timing": "median of steps, each to block_until_ready",
            "flop_convention": FLOP_CONVENTION}
     if args.only in ("both", "gemm"):
-        res["grouped_gemm"] = bench_grouped_gemm(args, platform, dt)
+        res["grouped_gemm"] = bench_grouped_gemm(args, platform, cc, dt)
     if args.only in ("both", "attention"):
-        res["attention"] = bench_attention(args, platform, dt)
+        res["attention"] = bench_attention(args, platform, cc, dt)
     print_table(res)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(res, indent=2))

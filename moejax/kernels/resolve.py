@@ -177,12 +177,27 @@ def devices_platform(devices) -> str:
 def resolve_kernels(cfg, platform: str | None = None, compute_capability: float | None = None) -> dict[str, str]:
     """{'attention', 'expert_gemm', 'loss'} -> the concrete kernel each runs on `platform` ('cpu', 'gpu', 'tpu';
     None: jax's default backend) and, for GPUs, their compute capability when known."""
+    return {k: resolve_kernel(cfg, k, platform, compute_capability) for k in KERNEL_FIELDS}
+
+
+def resolve_kernel(cfg, field: str, platform: str | None = None, compute_capability: float | None = None) -> str:
+    """The concrete kernel kernels.<field> runs, as resolve_kernels resolves it, the other fields unchecked: what a
+    benchmark of one kernel measures (benchmarks/kernels.py, moe_layer.py)."""
     platform = _platform(platform)
-    loss = cfg.kernels.loss
     _fp8(cfg, platform, compute_capability)
-    return {"attention": _attention(cfg, platform),
-            "expert_gemm": _expert_gemm(cfg, platform, compute_capability),
-            "loss": "chunked" if loss == "auto" else loss}
+    if field == "attention":
+        return _attention(cfg, platform)
+    if field == "expert_gemm":
+        return _expert_gemm(cfg, platform, compute_capability)
+    if field != "loss":
+        raise ValueError(f"kernel field {field!r}: one of {', '.join(KERNEL_FIELDS)}")
+    loss = cfg.kernels.loss
+    return "chunked" if loss == "auto" else loss
+
+
+def kernel_label(kernel: str, asked: str | None) -> str:
+    """A resolved kernel as printed: 'tile_loop (auto)' when `auto` chose it, else its name."""
+    return kernel + (" (auto)" if asked == "auto" else "")
 
 
 def model_kernels(cfg) -> dict[str, str]:
@@ -209,10 +224,9 @@ def apply_kernels(cfg, platform: str, compute_capability: float | None = None) -
 
 
 def describe(cfg, platform: str, asked: dict | None = None) -> str:
-    parts = [f"{k}={cfg.kernels[k]}" + (" (auto)" if asked and asked[k] == "auto" else "")
-             for k in KERNEL_FIELDS]
-    parts.append(f"exchange_chunks={exchange_chunks(cfg, platform)}"
-                 + (" (auto)" if asked and asked.get("exchange_chunks") == "auto" else ""))
+    parts = [f"{k}={kernel_label(cfg.kernels[k], asked and asked[k])}" for k in KERNEL_FIELDS]
+    chunks = str(exchange_chunks(cfg, platform))
+    parts.append(f"exchange_chunks={kernel_label(chunks, asked and asked.get('exchange_chunks'))}")
     fmt = cfg.model.get("fp8", "none")
     return f"kernels on {_platform(platform)}: " + ", ".join(parts) + (f", gemms=fp8 {fmt}" if fmt != "none" else "")
 
