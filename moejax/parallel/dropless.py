@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from moejax.kernels import fp8, grouped_gemm
 from moejax.kernels.varying import int_cotangent as _int_cotangent
 from moejax.parallel.mesh import EXPERT_AXIS, inside_pipeline_stage, mesh_platform, token_axes
-from moejax.parallel.routing_plan import combine_rows, dispatch_rows
+from moejax.parallel.routing_plan import argsort_stable, combine_rows, dispatch_rows
 from moejax.remat_names import EXPERT_EXCHANGE
 
 
@@ -276,11 +276,11 @@ def _tile_plan(expert_R, n_local: int, tile: int, n_slots: int, in_stage: bool):
     counts_L = jnp.bincount(expert_R, length=n_local + 1)[:n_local].astype(jnp.int32)
     starts = _excl_cumsum(jnp.concatenate([counts_L, jnp.zeros((1,), jnp.int32)]))  # [L + 1]
     padded_start = _excl_cumsum(jnp.concatenate([(counts_L + tile - 1) // tile * tile, jnp.zeros((1,), jnp.int32)]))
-    order_R = jnp.argsort(expert_R, stable=True).astype(jnp.int32)
+    order_R = argsort_stable(expert_R)
     e_sorted = expert_R[order_R]
     rank_sorted = jnp.arange(n_rows, dtype=jnp.int32) - starts[e_sorted]
     slot_sorted = jnp.where(e_sorted < n_local, padded_start[e_sorted] + rank_sorted, n_slots)
-    slot_R = slot_sorted[jnp.argsort(order_R)].astype(jnp.int32)  # inverse permutation by sort, not scatter
+    slot_R = slot_sorted[argsort_stable(order_R)].astype(jnp.int32)  # inverse permutation by sort, not scatter
     s = jnp.arange(n_slots, dtype=jnp.int32)
     group_S = jnp.clip(_count_at_most(padded_start[:n_local], s, in_stage) - 1, 0, n_local - 1)
     rank_S = s - padded_start[group_S]
@@ -298,8 +298,8 @@ def window_expert_ffn(x_RxD, expert_R, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *
     # unlike a weighted combine, keeps no copy of the outputs for the backward.
     if gemm in ("ragged_dot", "tokamax"):
         # Rows sorted by expert, one ragged grouped GEMM over the window: the kernel skips no row, pads none.
-        order_R = jnp.argsort(expert_R, stable=True).astype(jnp.int32)
-        rank_R = jnp.argsort(order_R).astype(jnp.int32)
+        order_R = argsort_stable(expert_R)
+        rank_R = argsort_stable(order_R)
         sorted_RxD = dispatch_rows(x_RxD, rank_R, order_R, 1)
         sizes_L = jnp.bincount(expert_R, length=n_local + 1)[:n_local].astype(jnp.int32)
         y_RxD = grouped_gemm.ragged_expert_ffn(sorted_RxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, sizes_L,
@@ -403,8 +403,8 @@ def dropless_moe(x_TxD, expert_idx_TxK, expert_w_TxK, w_gate_ExDxF, w_up_ExDxF, 
     n_local = n_experts // ep
     how = trace_how()
     expert_A = expert_idx_TxK.reshape(-1).astype(jnp.int32)
-    order_A = jnp.argsort(expert_A, stable=True).astype(jnp.int32)
-    rank_A = jnp.argsort(order_A).astype(jnp.int32)  # assignment -> its row in sorted order
+    order_A = argsort_stable(expert_A)
+    rank_A = argsort_stable(order_A)  # assignment -> its row in sorted order
     rows_AxD = dispatch_rows(x_TxD, rank_A, order_A, top_k)
     counts_E = jnp.bincount(expert_A, length=n_experts).astype(jnp.int32)
     ex = plan_exchange(counts_E, ep)

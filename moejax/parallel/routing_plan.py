@@ -23,6 +23,16 @@ class RoutingPlan(NamedTuple):
     counts_E: jax.Array  # int32 [E] assignments routed to each expert (before any drop)
 
 
+def argsort_stable(keys_N):
+    """jnp.argsort(keys_N, stable=True) for a 1-D array, as one lax.sort whose index operand is derived from the
+    keys. jnp.argsort sorts the keys with an iota that does not depend on them; under the pipeline's vmap over
+    stages (spmd_axis_name) around the dispatch shard_map, jax 0.12's batching of sort types the batched keys as
+    varying over `stage` and the unbatched iota not, and refuses the sort ("requires varying manual axes to
+    match"). An iota computed from the keys is batched with them (zero for every key, NaN too); XLA folds it away."""
+    iota_N = jax.lax.iota(jnp.int32, keys_N.shape[0]) + (keys_N == keys_N).astype(jnp.int32) * 0
+    return jax.lax.sort((keys_N, iota_N), num_keys=1, is_stable=True)[1]
+
+
 def make_plan(expert_A, n_experts: int, capacity: int, priority_A=None) -> RoutingPlan:
     """Rank each assignment among those of its expert; ranks >= capacity are dropped.
 
@@ -32,13 +42,14 @@ def make_plan(expert_A, n_experts: int, capacity: int, priority_A=None) -> Routi
     n_assign = expert_A.shape[0]
     expert_A = expert_A.astype(jnp.int32)
     if priority_A is None:
-        order_A = jnp.argsort(expert_A, stable=True)
-    else:
-        order_A = jnp.lexsort((-priority_A, expert_A))
+        order_A = argsort_stable(expert_A)
+    else:  # by expert, then descending priority: two stable sorts, as jnp.lexsort does (also its iota: argsort_stable)
+        by_priority_A = argsort_stable(-priority_A)
+        order_A = by_priority_A[argsort_stable(expert_A[by_priority_A])]
     counts_E = jnp.bincount(expert_A, length=n_experts).astype(jnp.int32)
     starts_E = jnp.cumsum(counts_E) - counts_E
     rank_sorted = jnp.arange(n_assign, dtype=jnp.int32) - starts_E[expert_A[order_A]]
-    rank_A = rank_sorted[jnp.argsort(order_A)]  # inverse permutation by sort, not scatter
+    rank_A = rank_sorted[argsort_stable(order_A)]  # inverse permutation by sort, not scatter
     keep_A = rank_A < capacity
     n_slots = n_experts * capacity
     slot_A = jnp.where(keep_A, expert_A * capacity + rank_A, n_slots).astype(jnp.int32)
