@@ -30,10 +30,13 @@ def _run(cfg, chunks, seed, backend, shape, devices, x, cot, bias=None):
 def assert_chunked_equals_unchunked(one, chunked):
     value1, y1, stats1, g1, gx1 = one
     value_c, y_c, stats_c, g_c, gx_c = chunked
-    # Forward: every row meets the same expert through the same GEMM, and the slices fill disjoint rows.
-    np.testing.assert_allclose(y_c, y1, rtol=1e-6, atol=1e-6)
+    # Forward: every row meets the same expert's weights, and the slices fill disjoint rows. A slice's GEMM has
+    # fewer rows, and XLA:CPU may order a contraction's sum differently for another row count (jax 0.12.1, tensor
+    # 2: one output of 4096 off by 1.2e-6 at 0.18, about 80 f32 ulps): f32 reassociation's bound, as for the weight
+    # gradients below, not equality.
+    np.testing.assert_allclose(y_c, y1, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(value_c, value1, rtol=1e-6)
-    np.testing.assert_allclose(gx_c, gx1, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(gx_c, gx1, rtol=1e-5, atol=1e-6)
     # A weight gradient sums over rows: chunked, the sum runs in slices (f32 reassociation, nothing else).
     flat1 = dict(jax.tree_util.tree_leaves_with_path(g1))
     for path, g in jax.tree_util.tree_leaves_with_path(g_c):

@@ -19,9 +19,28 @@ ROOT = Path(__file__).resolve().parents[1]
 E4M3_UNIT_ROUNDOFF = 2.0 ** -4  # 3 mantissa bits: a normal value rounds within half an ulp, 2^-4 relative
 E4M3_SUBNORMAL_HALF_SPACING = 2.0 ** -10  # subnormals are spaced 2^-9 (in units of the scale)
 TINY_SCALE = np.sqrt(np.finfo(np.float32).tiny)  # an all-zero tile keeps scale 1 (qwix)
-# amax / 448 as XLA computes it: its algebraic simplifier turns a division by a constant into a multiplication by
-# the f32 reciprocal (at most 1 ulp from the division; the values are then divided by that same scale).
 INV_448 = np.float32(1.0) / np.float32(448.0)
+# How amax / 448 (qwix divides) may be rounded: XLA:CPU of jax 0.10.2 strength-reduces the division by the constant
+# into a multiplication by the f32 reciprocal INV_448 (at most one ulp from the quotient); jax 0.12.1's divides. The
+# references below are computed both ways and the quantiser must equal one of them exactly, values and scales (the
+# values are divided by the scale the quantiser chose, exactly as the reference divides by its own).
+ROUNDINGS = ("divide", "reciprocal")
+
+
+def _over_448(amax, rounding):
+    amax = amax.astype(np.float32)
+    return (amax / np.float32(448.0) if rounding == "divide" else amax * INV_448).astype(np.float32)
+
+
+def assert_equals_a_reference(got, reference, *args):
+    """`got` = (values, scale) equals reference(*args, rounding) exactly for one of ROUNDINGS."""
+    misses = []
+    for rounding in ROUNDINGS:
+        want = reference(*args, rounding=rounding)
+        if all(np.array_equal(g, w) for g, w in zip(got, want)):
+            return
+        misses.append((rounding, [int(np.sum(g != w)) for g, w in zip(got, want)]))
+    raise AssertionError(f"equal to no reference (rounding, [values, scales] differing): {misses}")
 
 
 def _tiles(a_RxK, tile):
@@ -31,37 +50,37 @@ def _tiles(a_RxK, tile):
     return np.pad(a_RxK, ((0, 0), (0, padded - k))).reshape(rows, padded // tile, tile)
 
 
-def reference_blockwise_rows(a_RxK):
+def reference_blockwise_rows(a_RxK, rounding="divide"):
     """DeepSeek-V3 (arXiv 2412.19437, 3.3.1): per 1 x 128 tile (the whole row when K <= 128), scale = amax / 448,
     value = e4m3(x / scale). Returns (values, per-element scale), both [R, K] float32."""
     tile = min(128, a_RxK.shape[1])
     t = _tiles(a_RxK.astype(np.float32), tile)
-    scale = np.max(np.abs(t), axis=2, keepdims=True) * INV_448
+    scale = _over_448(np.max(np.abs(t), axis=2, keepdims=True), rounding)
     scale = np.where(scale < TINY_SCALE, np.float32(1.0), scale).astype(np.float32)
     q = (t / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
     full = lambda v: np.broadcast_to(v, t.shape).reshape(t.shape[0], -1)[:, : a_RxK.shape[1]]  # noqa: E731
     return full(q), full(scale)
 
 
-def reference_blockwise_weight(w_CxK):
+def reference_blockwise_weight(w_CxK, rounding="divide"):
     """DeepSeek-V3 weights: one scale per 128 x 128 block, amax / 448."""
     c, k = w_CxK.shape
     tc, tk = min(128, c), min(128, k)
     pc, pk = -(-c // tc) * tc, -(-k // tk) * tk
     b = np.pad(w_CxK.astype(np.float32), ((0, pc - c), (0, pk - k))).reshape(pc // tc, tc, pk // tk, tk)
-    scale = np.max(np.abs(b), axis=(1, 3), keepdims=True) * INV_448
+    scale = _over_448(np.max(np.abs(b), axis=(1, 3), keepdims=True), rounding)
     scale = np.where(scale < TINY_SCALE, np.float32(1.0), scale).astype(np.float32)
     q = (b / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
     full = lambda v: np.broadcast_to(v, b.shape).reshape(pc, pk)[:c, :k]  # noqa: E731
     return full(q), full(scale)
 
 
-def reference_mxfp8_rows(a_RxK):
+def reference_mxfp8_rows(a_RxK, rounding="divide"):
     """MXFP8 as NVIDIA trains with it (arXiv 2506.08027, OCP MX blocks of 32): scale = 2^ceil(log2(amax / 448)),
     an E8M0 power of two rounded up so no value saturates; value = e4m3(x / scale). The exponent is taken exactly
     with frexp (amax / 448 = m 2^e, m in [0.5, 1): ceil(log2) = e - 1 when m == 0.5, else e)."""
     t = _tiles(a_RxK.astype(np.float32), 32)
-    ratio = np.max(np.abs(t), axis=2, keepdims=True) * INV_448
+    ratio = _over_448(np.max(np.abs(t), axis=2, keepdims=True), rounding)
     ratio = np.where(ratio < TINY_SCALE, np.float32(1.0), ratio).astype(np.float32)
     mantissa, exponent = np.frexp(ratio)
     scale = np.ldexp(np.float32(1.0), np.where(mantissa == 0.5, exponent - 1, exponent)).astype(np.float32)
@@ -70,10 +89,10 @@ def reference_mxfp8_rows(a_RxK):
     return full(q), full(scale)
 
 
-def reference_rowwise_rows(a_RxK):
+def reference_rowwise_rows(a_RxK, rounding="divide"):
     """One scale per row along the contraction: amax(row) / 448 (1 for an all-zero row), value = e4m3(x / scale)."""
     a = a_RxK.astype(np.float32)
-    scale = np.max(np.abs(a), axis=1, keepdims=True) * INV_448
+    scale = _over_448(np.max(np.abs(a), axis=1, keepdims=True), rounding)
     scale = np.where(scale < TINY_SCALE, np.float32(1.0), scale).astype(np.float32)
     q = (a / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
     return q, np.broadcast_to(scale, a.shape)
@@ -92,46 +111,41 @@ def _hard_rows(rng, rows, k):
 def test_blockwise_activation_tiles_equal_the_reference(k):
     a = _hard_rows(np.random.default_rng(k), 6, k)
     q = fp8.quantize_rows(jnp.asarray(a)[None], "blockwise")
-    values, scale = reference_blockwise_rows(a)
     got_values = np.asarray(q.qvalue[0].astype(jnp.float32))[:, :k]
     got_scale = np.repeat(np.asarray(q.scale[0]), min(128, k), axis=1)[:, :k]
     assert q.qvalue.dtype == jnp.float8_e4m3fn
-    np.testing.assert_array_equal(got_values, values)
-    np.testing.assert_array_equal(got_scale, scale)
+    assert_equals_a_reference((got_values, got_scale), reference_blockwise_rows, a)
 
 
 @pytest.mark.parametrize("shape", [(256, 384), (200, 72), (64, 300)])
 def test_blockwise_weight_blocks_equal_the_reference(shape):
     w = _hard_rows(np.random.default_rng(sum(shape)), *shape) * np.float32(0.01)
     q = fp8.quantize_weight_blocks(jnp.asarray(w)[None])
-    values, scale = reference_blockwise_weight(w)
     k = shape[1]
-    np.testing.assert_array_equal(np.asarray(q.qvalue[0].astype(jnp.float32))[:, :k], values)
+    got_values = np.asarray(q.qvalue[0].astype(jnp.float32))[:, :k]
     got_scale = np.repeat(np.asarray(q.scale[0]), min(128, k), axis=1)[:, :k]
-    np.testing.assert_array_equal(got_scale, scale)
-    assert len(np.unique(scale)) <= -(-shape[0] // 128) * -(-k // 128) + 1  # one scale per block (+ zero blocks)
+    assert_equals_a_reference((got_values, got_scale), reference_blockwise_weight, w)
+    assert len(np.unique(got_scale)) <= -(-shape[0] // 128) * -(-k // 128) + 1  # one scale per block (+ zero blocks)
 
 
 @pytest.mark.parametrize("k", [64, 96, 100])
 def test_mxfp8_blocks_equal_the_reference(k):
     a = _hard_rows(np.random.default_rng(k + 1), 6, k)
     q = fp8.quantize_rows(jnp.asarray(a)[None], "mxfp8")
-    values, scale = reference_mxfp8_rows(a)
     got_scale = np.repeat(np.asarray(q.scale[0]), 32, axis=1)[:, :k]
-    np.testing.assert_array_equal(np.asarray(q.qvalue[0].astype(jnp.float32))[:, :k], values)
-    np.testing.assert_array_equal(got_scale, scale)
-    assert np.all(np.log2(scale) == np.round(np.log2(scale)))  # E8M0: powers of two
-    assert np.max(np.abs(values)) <= 448.0
+    got_values = np.asarray(q.qvalue[0].astype(jnp.float32))[:, :k]
+    assert_equals_a_reference((got_values, got_scale), reference_mxfp8_rows, a)
+    assert np.all(np.log2(got_scale) == np.round(np.log2(got_scale)))  # E8M0: powers of two
+    assert np.max(np.abs(got_values)) <= 448.0
 
 
 @pytest.mark.parametrize("k", [96, 300])
 def test_rowwise_rows_equal_the_reference(k):
     a = _hard_rows(np.random.default_rng(k + 2), 6, k)
     q = fp8.quantize_rows(jnp.asarray(a)[None], "rowwise")
-    values, scale = reference_rowwise_rows(a)
     assert q.qvalue.dtype == jnp.float8_e4m3fn and q.scale.shape == (1, 6, 1)  # one scale per row
-    np.testing.assert_array_equal(np.asarray(q.qvalue[0].astype(jnp.float32)), values)
-    np.testing.assert_array_equal(np.broadcast_to(np.asarray(q.scale[0]), a.shape), scale)
+    got = (np.asarray(q.qvalue[0].astype(jnp.float32)), np.broadcast_to(np.asarray(q.scale[0]), a.shape))
+    assert_equals_a_reference(got, reference_rowwise_rows, a)
 
 
 def _lowered_dots(fmt, m=256, k=384, n=320):
@@ -314,10 +328,12 @@ def test_deepseek_fp8_checkpoint_export_and_import(tmp_path):
                                                       "o_proj", "gate_proj", "up_proj", "down_proj"}
 
     original = np.asarray(model.moe_layers.ffn.w_down_ExFxD[...][0, 3], np.float32).T  # HF layout [out, in]
-    values, scale = reference_blockwise_weight(original)
+    exported = (raw.astype(np.float32), np.repeat(np.repeat(scale_inv, 128, axis=0), 64, axis=1))  # 128 x 128 blocks
+    assert_equals_a_reference(exported, reference_blockwise_weight, original)
+    scale = exported[1]
     imported, _ = load_hf(out, base_config=cfg)
     got = np.asarray(imported.moe_layers.ffn.w_down_ExFxD[...][0, 3], np.float32).T
-    np.testing.assert_array_equal(got, values * scale)  # dequantised exactly as the blocks say
+    np.testing.assert_array_equal(got, exported[0] * scale)  # dequantised exactly as the blocks say
     err = np.abs(got - original)
     assert np.all(err <= E4M3_UNIT_ROUNDOFF * np.abs(original) + scale * E4M3_SUBNORMAL_HALF_SPACING)
     assert np.max(err) > 0
