@@ -13,6 +13,7 @@ if os.environ.get("MOEJAX_GPU_COMPILE") == "1":  # the GPU compiles see the flag
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+from budget import pytest_addoption, pytest_collection_modifyitems, pytest_configure  # noqa: E402,F401  (hooks)
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

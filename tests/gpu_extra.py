@@ -15,3 +15,12 @@ def require_gpu_extra() -> None:
     if os.environ.get("MOEJAX_GPU_COMPILE") == "1":
         raise RuntimeError("MOEJAX_GPU_COMPILE=1 but the gpu extra is missing: pip install -e '.[gpu,test]'")
     pytest.skip("the gpu extra (jax CUDA plugin, tokamax) is not installed", allow_module_level=True)
+
+
+def tokamax_or_skip():
+    """tokamax for a test outside the GPU-compile files (its XLA kernels run on CPU): skips without it, except where
+    MOEJAX_GPU_COMPILE=1 (`make test-gpu`, which runs these tests) asks for it."""
+    require_gpu_extra()
+    import tokamax
+
+    return tokamax

@@ -135,9 +135,11 @@ def test_context_sits_inside_the_nvlink_domain_with_expert_and_tensor():
         hybrid_device_grid({"data": 1, "fsdp": 1, "context": 4, "expert": 4, "tensor": 1}, devices, two_domains)
 
 
+@pytest.mark.slow
 def test_checkpoint_moves_between_context_sizes(tmp_path):
     """Saved at step 10 by a run with the sequence split over 2 devices (data 4 x context 2), resumed without the
-    split (data 8): steps 11-20 redo the first run's losses (the same step on two layouts, f32)."""
+    split (data 8): steps 11-20 redo the first run's losses (the same step on two layouts, f32). Slow (about 35 s
+    on 2 cores, near the budget on a slower machine): three CLI runs, each compiling an MLA step."""
     from tests.test_resume import losses, records, run
 
     common = ["--config.train.steps=20", "--config.model.attention=mla", "--config.model.kv_lora_rank=16",

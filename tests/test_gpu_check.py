@@ -18,6 +18,8 @@ from moejax.parallel.topology import get_topology
 from moejax.planner.layout import config_layout
 from moejax.planner.memory import estimate_memory
 
+from gpu_extra import tokamax_or_skip
+
 ROOT = Path(__file__).resolve().parents[1]
 PROXY = ROOT / "benchmarks/configs/deepseek_v3_1gpu.py"
 WIDTHS = ("model.vocab_size", "model.d_model", "model.d_ff", "model.attention", "model.n_heads", "model.q_lora_rank",
@@ -56,7 +58,7 @@ def test_proxy_has_deepseek_v3_widths_and_fits_one_gpu_by_the_planner(variant, t
 
 
 def test_autotune_writes_a_cache_a_later_run_loads(tmp_path):
-    tokamax = pytest.importorskip("tokamax")
+    tokamax = tokamax_or_skip()
     bench = _train_step_module()
     x = jnp.asarray(np.random.default_rng(0).normal(size=(64, 32)), jnp.float32)
     w = jnp.asarray(np.random.default_rng(1).normal(size=(4, 32, 16)), jnp.float32)

@@ -11,6 +11,7 @@ from moejax.model.moe import MoE
 from moejax.parallel.dispatch import capacity_per_expert
 from moejax.parallel.mesh import batch_sharding, make_mesh
 from moejax.program.state import state_shardings
+from gpu_extra import tokamax_or_skip
 from tests.moe_reference import reference_moe, reference_routing
 
 D_MODEL, BATCH, SEQ = 32, 16, 8
@@ -123,7 +124,7 @@ TOKAMAX_CASES = [((2, 1, 4, 1), "tiles"), ((1, 2, 4, 1), "tiles"), ((2, 1, 2, 2)
 @pytest.mark.parametrize("shape,weight_grad", TOKAMAX_CASES,
                          ids=lambda v: "d{}f{}e{}t{}".format(*v) if isinstance(v, tuple) else v)
 def test_dropless_through_tokamax_matches_dense_reference(shape, weight_grad, devices, monkeypatch):
-    pytest.importorskip("tokamax")
+    tokamax_or_skip()
     from moejax.kernels import grouped_gemm
 
     monkeypatch.setattr(grouped_gemm, "TOKAMAX_IMPLEMENTATION", "xla")

@@ -36,7 +36,11 @@ def free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_equal_one_process_and_checkpoint_moves_between_them(tmp_path):
+    """Two processes x 4 devices train as one process x 8 does, and a checkpoint moves between the two. Slow (about
+    85 s on 2 cores): three launches, each process starting jax's coordination service and compiling the step on
+    one of the machine's two cores beside the other."""
     two = tmp_path / "two"
     proc = subprocess.run([sys.executable, str(ROOT / "launch/local.py"), "--num_processes", "2",
                            "--devices_per_process", "4", "--", *SMALL, "--workdir", str(two),

@@ -3,7 +3,6 @@ without virtual stages, more micro-batches than stages (outputs wait at stage 0)
 with a nested shard_map: outputs, per-layer sums and every gradient equal the layers applied in order on one
 device (f32, fresh random inputs)."""
 
-import os
 
 import jax
 import jax.numpy as jnp
@@ -70,11 +69,9 @@ def loss_terms(y_MxBxD, stats_LxD, probe_MxBxD, probe_LxD):
     return jnp.sum(y_MxBxD * probe_MxBxD) + jnp.sum(stats_LxD * probe_LxD) * 1e-2
 
 
-# PP2 x VP1 runs in every suite; the other layouts (tens of seconds of CPU each) in `make test-pipeline`.
-# `make test-pipeline` selects them by their marker (-m pipeline_step), so what every suite runs is not run twice.
-_LATER = (pytest.mark.pipeline_step,
-          pytest.mark.skipif(os.environ.get("MOEJAX_PIPELINE_STEP") != "1",
-                             reason="`make test-pipeline` (MOEJAX_PIPELINE_STEP=1) runs it"))
+# PP2 x VP1 runs in every suite; the other layouts (tens of seconds of CPU each) are CI-only (tests/budget.py:
+# `make test SLOW=1`, `make test-pipeline`).
+_LATER = (pytest.mark.pipeline_step,)
 
 
 @pytest.mark.parametrize("stages,repeats,micro,per_chunk", [
