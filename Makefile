@@ -62,12 +62,17 @@ test-pipeline: $(VENV)/.installed-test
 
 # The deviceless GPU compiles (MOEJAX_GPU_COMPILE=1 turns a missing gpu extra into a failure), tokamax's kernels
 # through moejax, and the files whose results differ between the jax releases CI tests (docs/testing.md), on the
-# gpu extra's jax. The tests that read one compile form one xdist group (--dist loadgroup): no compile runs twice.
+# gpu extra's jax. The tests that read one compile form one class (--dist loadscope: a class goes to one worker), so
+# no compile runs twice; the classes come longest compile first and keep that order (--no-loadscope-reorder: xdist
+# would put the scopes with the most tests first), so two workers finish together.
+GPU_EXTRA_TESTS = tests/test_gpu_compile.py tests/test_tokamax_kernels.py \
+	tests/test_moe_parallel.py::test_dropless_through_tokamax_matches_dense_reference \
+	tests/test_gpu_check.py::test_autotune_writes_a_cache_a_later_run_loads
 VERSION_FILES = tests/test_fp8.py tests/test_planner_context.py
 test-gpu: $(VENV_GPU)/.installed
 	@$(VENV_GPU)/bin/python -c "import jax, flax, sys; print('gpu extra on Python', sys.version.split()[0], 'jax', jax.__version__, 'flax', flax.__version__)"
-	MOEJAX_GPU_COMPILE=1 JAX_PLATFORMS=cpu $(VENV_GPU)/bin/python $(PYTEST) --slow --dist loadgroup \
-		tests/test_gpu_compile.py tests/test_tokamax_kernels.py $(VERSION_FILES)
+	MOEJAX_GPU_COMPILE=1 JAX_PLATFORMS=cpu $(VENV_GPU)/bin/python $(PYTEST) --slow --dist loadscope --no-loadscope-reorder \
+		$(GPU_EXTRA_TESTS) $(VERSION_FILES)
 
 bench: $(VENV)/.installed
 	$(VENV)/bin/python benchmarks/train_step.py --config $(CONFIG)
