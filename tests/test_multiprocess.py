@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 from cpu_env import cpu_env
 
 ROOT = Path(__file__).resolve().parents[1]
