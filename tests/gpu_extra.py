@@ -1,5 +1,5 @@
 """The `gpu` extra (jax's CUDA plugin, tokamax) for the test modules that need it: they skip without it, except
-where MOEJAX_GPU_COMPILE=1 (`make test-gpu`, `make test-newest`) asks for them, and a missing extra fails."""
+where MOEJAX_GPU_COMPILE=1 (`make test-gpu`) asks for them, and a missing extra fails."""
 
 import importlib.util
 import os

@@ -1,7 +1,7 @@
 """moejax's wiring of tokamax's kernels, checked on CPU through tokamax's XLA implementations (the Mosaic GPU
 kernels take the same arguments): attention with packed documents (each query's first key) and with key ranges
 (context parallelism), and the grouped GEMM inside shard_map, in values and gradients against moejax's references.
-Needs the `gpu` extra (`make test-gpu`, `make test-newest`)."""
+Needs the `gpu` extra (`make test-gpu`)."""
 
 import jax
 import jax.numpy as jnp
