@@ -60,9 +60,12 @@ def test_missing_config_file_exits_2(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_a_laptop_run_needs_no_xla_flags(tmp_path):
     """No accelerator and no device-count flag in XLA_FLAGS: the config's mesh is emulated in CPU devices, said in one line; the dry
-    run picks its device count from the mesh too (data=-1 x expert=4 -> 8)."""
+    run picks its device count from the mesh too (data=-1 x expert=4 -> 8). Slow (32-34 s on 2 cores in CI's
+    suite, the longest test not marked slow before: too near the 60 s budget on a slower machine): two CLI
+    processes, each starting jax and compiling a step of its own shape."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env["XLA_FLAGS"] = FAST_COMPILE  # no device-count flag: moejax adds it
     small = ["--config.train.steps=1", "--config.model.n_layers=2", "--config.train.global_batch=8",
