@@ -15,13 +15,15 @@ CPU_MESH = XLA_FLAGS="$${XLA_FLAGS:-} --xla_force_host_platform_device_count=8"
 # when a test not marked slow takes longer (.ci/run sets it); SLOW=1 adds the tests marked slow.
 PYTEST = -m pytest -n 2 --durations=20 -p no:cacheprovider $(if $(BUDGET),--budget $(BUDGET)) $(if $(filter 1,$(SLOW)),--slow)
 
+# A virtualenv of an older Python (this project supported 3.11 before) is made anew, not installed over.
+MAKE_VENV = $(1)/bin/python -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null || $(PY) -m venv --clear $(1)
 NEED_PY = @test -n "$(PY)" || { echo "make: moejax needs Python >= 3.12 and none was found; set PY=/path/to/python3.12" >&2; exit 2; }
 
 # One virtualenv, two stamps: `make train` installs moejax and what training needs (no torch, no test tools);
 # `make test` adds the test tools and the Hugging Face reference implementations on top of it.
 $(VENV)/.installed: pyproject.toml
 	$(NEED_PY)
-	$(PY) -m venv $(VENV)
+	$(call MAKE_VENV,$(VENV))
 	$(VENV)/bin/python -m pip install -q --upgrade pip
 	$(VENV)/bin/python -m pip install -q -e .
 	touch $@
@@ -37,7 +39,7 @@ $(VENV)/.installed-test: $(VENV)/.installed
 # what it resolves is the oldest jax CI tests, the floor in pyproject.toml.
 $(VENV_GPU)/.installed: pyproject.toml
 	$(NEED_PY)
-	$(PY) -m venv $(@D)
+	$(call MAKE_VENV,$(@D))
 	$(@D)/bin/python -m pip install -q --upgrade pip
 	$(@D)/bin/python -m pip install -q -e '.[gpu,test]'
 	touch $@
