@@ -42,7 +42,7 @@ def pytest_collection_modifyitems(config, items):
             if _ci_only(item):
                 item.add_marker(skip)
         return
-    items.sort(key=lambda item: (not item.get_closest_marker(SLOW), not _ci_only(item)))  # stable: files stay together
+    items.sort(key=lambda item: (not item.get_closest_marker(SLOW), not _ci_only(item)))  # stable: collection order within each group
 
 
 def over_budget(wall: dict, slow: set, budget: float) -> list[tuple[str, float]]:
@@ -55,6 +55,7 @@ class Budget:
         self.config = config
         self.wall = collections.defaultdict(float)  # nodeid -> seconds (setup + call + teardown)
         self.slow = set()
+        self.offenders: list[tuple[str, float]] = []  # set by pytest_sessionfinish when --budget is given
 
     def pytest_runtest_logreport(self, report):
         self.wall[report.nodeid] += report.duration
@@ -70,11 +71,10 @@ class Budget:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
     def pytest_terminal_summary(self, terminalreporter):
-        offenders = getattr(self, "offenders", [])
-        if offenders:
+        if self.offenders:
             budget = self.config.getoption("--budget")
             terminalreporter.write_sep("=", "time budget", red=True)
-            for nodeid, seconds in offenders:
+            for nodeid, seconds in self.offenders:
                 terminalreporter.write_line(f"over the time budget: {nodeid} took {seconds:.1f} s > {budget:.0f} s; "
                                             f"make it cheaper, or mark it slow with a docstring that says why it "
                                             f"needs the time")

@@ -6,8 +6,8 @@ from cpu_env import xla_flags  # noqa: E402  (tests/ is on sys.path: pytest's ro
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + xla_flags(8)).strip()
 # jax's persistent compilation cache for this session only: the CLI tests' training processes (and both workers)
-# compile the same small steps again and again. A new empty directory unless one is given (.ci/run gives one per
-# run); never shared across commits. The process that made it removes it at exit; workers and subprocesses inherit it.
+# compile the same small steps again and again. A new empty directory unless one is given, so never shared across
+# commits; the process that made it removes it at exit; workers and subprocesses inherit it.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     import atexit
     import shutil

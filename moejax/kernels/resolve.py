@@ -177,7 +177,9 @@ def devices_platform(devices) -> str:
 def resolve_kernels(cfg, platform: str | None = None, compute_capability: float | None = None) -> dict[str, str]:
     """{'attention', 'expert_gemm', 'loss'} -> the concrete kernel each runs on `platform` ('cpu', 'gpu', 'tpu';
     None: jax's default backend) and, for GPUs, their compute capability when known."""
-    return {k: resolve_kernel(cfg, k, platform, compute_capability) for k in KERNEL_FIELDS}
+    platform = _platform(platform)
+    _fp8(cfg, platform, compute_capability)
+    return {k: _kernel(cfg, k, platform, compute_capability) for k in KERNEL_FIELDS}
 
 
 def resolve_kernel(cfg, field: str, platform: str | None = None, compute_capability: float | None = None) -> str:
@@ -185,6 +187,10 @@ def resolve_kernel(cfg, field: str, platform: str | None = None, compute_capabil
     benchmark of one kernel measures (benchmarks/kernels.py, moe_layer.py)."""
     platform = _platform(platform)
     _fp8(cfg, platform, compute_capability)
+    return _kernel(cfg, field, platform, compute_capability)
+
+
+def _kernel(cfg, field: str, platform: str, compute_capability: float | None) -> str:
     if field == "attention":
         return _attention(cfg, platform)
     if field == "expert_gemm":
