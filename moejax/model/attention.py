@@ -13,6 +13,7 @@ from jax.ad_checkpoint import checkpoint_name
 from flax import nnx
 
 from moejax.kernels.attention import attention as kernel_attention, attention_in_ranges
+from moejax.model import cached_attention as cached
 from moejax.model.layers import RMSNorm, dtype_of, grads_in_f32, param, project
 from moejax.model.rope import apply_rope, rope_spec, softmax_scale
 from moejax.parallel.context import ContextQueries, map_over_context_queries
@@ -68,14 +69,25 @@ class GQAttention(nnx.Module):
         self.rope = rope_spec(m, k)
         self.scale = softmax_scale(m, k)
 
-    def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL=None):
+    def _qkv(self, x_BxLxD, positions_BxL):
         q = project("bld,dhk->blhk", x_BxLxD, self.w_q_DxHxK[...], f32_grad=self.f32_grad)
         k = project("bld,dgk->blgk", x_BxLxD, self.w_k_DxGxK[...], f32_grad=self.f32_grad)
         v = project("bld,dgk->blgk", x_BxLxD, self.w_v_DxGxK[...], f32_grad=self.f32_grad)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, positions_BxL, self.rope)
-        k = apply_rope(k, positions_BxL, self.rope)
+        return apply_rope(q, positions_BxL, self.rope), apply_rope(k, positions_BxL, self.rope), v
+
+    def decode(self, x_BxSxD, positions_BxS, cache: cached.GQACache):
+        """Generation: this step's K/V heads written into the cache at their positions, the queries attending over
+        the cache (model/cached_attention.py). Returns (output [B, S, D], the updated cache)."""
+        q, k, v = self._qkv(x_BxSxD, positions_BxS)
+        cache = cached.GQACache(cached.write(cache.k_BxTxGxK, k, positions_BxS),
+                                cached.write(cache.v_BxTxGxK, v, positions_BxS))
+        out_BxSxHxK = cached.gqa_attend(q, cache, positions_BxS, self.scale)
+        return project("blhk,hkd->bld", out_BxSxHxK, self.w_o_HxKxD[...], f32_grad=self.f32_grad), cache
+
+    def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL=None):
+        q, k, v = self._qkv(x_BxLxD, positions_BxL)
         if isinstance(segment_ids_BxL, ContextQueries):  # the K/V heads of the whole sequence on every context shard
             kv_names = ("kv_heads", "head_dim")
             out_BxLxHxK = context_attention_core(q, [(k, kv_names), (v, kv_names)], [], lambda k, v: (k, v),
@@ -117,18 +129,37 @@ class MLAttention(nnx.Module):
         self.rope = rope_spec(m, r)
         self.scale = softmax_scale(m, n + r)
 
-    def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL=None):
+    def _queries(self, x_BxLxD, positions_BxL):
+        """(q_nope [B, L, H, N], q_rope [B, L, H, R] rotated)."""
         if self.q_lora:
             q_BxLxQ = self.q_norm(project("bld,dq->blq", x_BxLxD, self.w_qa_DxQ[...], f32_grad=self.f32_grad))
             q = project("blq,qhk->blhk", q_BxLxQ, self.w_qb_QxHxK[...], f32_grad=self.f32_grad)
         else:
             q = project("bld,dhk->blhk", x_BxLxD, self.w_q_DxHxK[...], f32_grad=self.f32_grad)
         q_nope, q_rope = q[..., : self.nope_dim], q[..., self.nope_dim :]
-        q = jnp.concatenate([q_nope, apply_rope(q_rope, positions_BxL, self.rope)], axis=-1)
+        return q_nope, apply_rope(q_rope, positions_BxL, self.rope)
 
+    def _latent(self, x_BxLxD, positions_BxL):
+        """(the compressed latent [B, L, C], the rotated shared RoPE key [B, L, 1, R]): what MLA keeps per position."""
         c_BxLxC = self.kv_norm(project("bld,dc->blc", x_BxLxD, self.w_kva_DxC[...], f32_grad=self.f32_grad))
         k_rope_BxLx1xR = project("bld,dr->blr", x_BxLxD, self.w_kr_DxR[...], f32_grad=self.f32_grad)[:, :, None, :]
-        k_rope_BxLx1xR = apply_rope(k_rope_BxLx1xR, positions_BxL, self.rope)
+        return c_BxLxC, apply_rope(k_rope_BxLx1xR, positions_BxL, self.rope)
+
+    def decode(self, x_BxSxD, positions_BxS, cache: cached.MLACache):
+        """Generation: this step's latent and RoPE key written into the cache, the queries attending over it with
+        W_kb absorbed (model/cached_attention.py). Returns (output [B, S, D], the updated cache)."""
+        q_nope, q_rope = self._queries(x_BxSxD, positions_BxS)
+        c_BxSxC, k_rope_BxSx1xR = self._latent(x_BxSxD, positions_BxS)
+        cache = cached.MLACache(cached.write(cache.latent_BxTxC, c_BxSxC, positions_BxS),
+                                cached.write(cache.k_rope_BxTxR, k_rope_BxSx1xR[:, :, 0], positions_BxS))
+        out_BxSxHxV = cached.mla_attend(q_nope, q_rope, cache, self.w_kb_CxHxN[...], self.w_vb_CxHxV[...],
+                                        positions_BxS, self.scale)
+        return project("blhv,hvd->bld", out_BxSxHxV, self.w_o_HxVxD[...], f32_grad=self.f32_grad), cache
+
+    def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL=None):
+        q_nope, q_rope = self._queries(x_BxLxD, positions_BxL)
+        q = jnp.concatenate([q_nope, q_rope], axis=-1)
+        c_BxLxC, k_rope_BxLx1xR = self._latent(x_BxLxD, positions_BxL)
         if isinstance(segment_ids_BxL, ContextQueries):
             # The whole sequence's latent and RoPE key on every context shard, one all-gather of C + R values per
             # position (576 for DeepSeek-V3, against 128 x (192 + 128) for its expanded K and V), expanded locally.

@@ -27,7 +27,8 @@ from moejax.kernels import fp8
 from moejax.kernels.resolve import exchange_chunks, model_kernels
 from moejax.model.attention import make_attention
 from moejax.model.layers import LAYERS_AXIS_METADATA, MLP, Embed, RMSNorm, dtype_of, grads_in_f32, param, project
-from moejax.model.moe import MoE, MoEStats, combine_micro_stats
+from moejax.model import cached_attention
+from moejax.model.moe import MoE, MoEStats, combine_micro_stats, exact_dispatch
 from moejax.model.rope import segment_positions
 from moejax.parallel.context import context_queries, context_size, gather_sequence, to_context_order
 from moejax.parallel.layouts import block_in_default_layout
@@ -94,6 +95,14 @@ class Block(nnx.Module):
         else:
             y, stats = self.ffn(self.ffn_norm(x_BxLxD)), None
         return constrain(x_BxLxD + y, ACT_BxLxD), stats
+
+    def decode(self, x_BxSxD, positions_BxS, cache):
+        """The block on S new positions of each row over its attention's KV cache (generation; MoE layers
+        dropless: callers trace this inside moe.exact_dispatch). Returns (output, the updated cache)."""
+        a_BxSxD, cache = self.attn.decode(self.attn_norm(x_BxSxD), positions_BxS, cache)
+        x_BxSxD = constrain(x_BxSxD + a_BxSxD, ACT_BxLxD)
+        y = self.ffn(self.ffn_norm(x_BxSxD))
+        return constrain(x_BxSxD + (y[0] if self.is_moe else y), ACT_BxLxD), cache
 
 
 def _stacked_blocks(cfg, n: int, *, moe: bool, rngs: nnx.Rngs, in_pipeline: bool = False):
@@ -215,6 +224,16 @@ def _run_stack(blocks, x_BxLxD, positions_BxL, segment_ids_BxL, remat: str, is_l
     return step(x_BxLxD, blocks, is_layer_L, positions_BxL, segment_ids_BxL)
 
 
+def _decode_stack(blocks, x_BxSxD, positions_BxS, cache_Lx):
+    """The stacked blocks in order over their stacked caches [layers, ...]: (output, the updated caches)."""
+
+    @nnx.scan(in_axes=(nnx.Carry, 0, 0, None), out_axes=(nnx.Carry, 0), transform_metadata=LAYERS_AXIS_METADATA)
+    def step(x, block, cache, positions):
+        return block.decode(x, positions, cache)
+
+    return step(x_BxSxD, blocks, cache_Lx, positions_BxS)
+
+
 class MTPModule(nnx.Module):
     """One Multi-Token Prediction module (DeepSeek-V3 section 2.2): h' = W [norm(emb(t_{i+k})); norm(h_i)],
     one transformer block, and its own norm before the shared LM head. The concat order (embedding first)
@@ -259,6 +278,7 @@ class Transformer(nnx.Module):
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         m = cfg.model
         pdt = dtype_of(m.param_dtype)
+        self.cache_shape = (m.attention, cached_attention.cache_widths(m))  # per position, per layer (empty_cache)
         self.dtype = dtype_of(m.dtype)
         self.f32_grad = grads_in_f32(m)
         self.fp8 = m.get("fp8", "none")  # model.fp8: the body's projections and expert GEMMs (kernels/fp8.py)
@@ -350,6 +370,31 @@ class Transformer(nnx.Module):
         mtp_h_DxBxLxD, mtp_stats = self._mtp(self.mtp, self.embed, x_BxLxD, tokens_BxL, positions_BxL,
                                              segment_ids_BxL)
         return HiddenOutput(self.final_norm(x_BxLxD), mtp_h_DxBxLxD, _stack_stats(stats, mtp_stats))
+
+    def empty_cache(self, batch: int, length: int):
+        """A zero KV cache for `batch` rows of `length` positions: one stacked cache [layers, B, T, ...] per run of
+        one stack's layers (Transformer.layer_runs), in the compute dtype (model/cached_attention.py)."""
+        return tuple(cached_attention.empty_cache(*self.cache_shape, batch, length, self.dtype, lead=(count,))
+                     for _, _, count in self.layer_runs)
+
+    def decode(self, tokens_BxS, positions_BxS, cache):
+        """Generation's forward: S new tokens of each row at their positions, over and into the KV cache.
+        Returns (logits [B, S, V] in f32, the updated cache). Prefill is this on the prompt from an empty cache; the
+        logits equal the uncached forward's at the same positions (tests/test_generate.py). Every MoE layer is
+        dropless, as in evaluation; the MTP modules take no part (they predict further tokens for training)."""
+        if self.pipelined:
+            raise ValueError("generation runs without pipeline stages: load the model with mesh.stage=1 "
+                             "(moejax.inference.load_model does)")
+        x_BxSxD = constrain(self.embed(tokens_BxS, self.dtype), ACT_BxLxD)
+        new_cache = []
+        with exact_dispatch():
+            for (moe, start, count), cache_run in zip(self.layer_runs, cache):
+                stack, size = (self.moe_layers, self.n_moe) if moe else (self.dense_layers, self.n_dense)
+                blocks = stack if count == size else _layer_range(stack, start, start + count)
+                x_BxSxD, cache_run = _decode_stack(blocks, x_BxSxD, positions_BxS, cache_run)
+                new_cache.append(cache_run)
+        logits = self.logits(self.final_norm(x_BxSxD))
+        return logits.astype(jnp.float32), tuple(new_cache)
 
     def _mtp(self, mtp, embed, h_BxLxD, tokens_BxL, positions_BxL, segment_ids_BxL):
         """The MTP modules in sequence on the main model's last hidden state: ([depth, B, L, D] normed hidden
