@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moejax.data.corpus import BOS_ID, BYTE_VOCAB, EOS_ID
+from moejax.data.corpus import BOS_ID, BYTE_VOCAB, EOS_ID, decode_bytes
 from moejax.errors import InputError
 
 # Special-token spellings of common Hugging Face tokenizers, tried in order when none is named.
@@ -31,6 +31,7 @@ class Tokenizer:
     bos_id: int | None
     eos_id: int
     _encode: object  # str -> list[int] | np.ndarray
+    _decode: object = None  # list[int] -> str, special tokens left out
 
     def encode_document(self, text: str) -> np.ndarray:
         """[BOS] ids EOS of one document."""
@@ -38,12 +39,21 @@ class Tokenizer:
         parts = ([[self.bos_id]] if self.bos_id is not None else []) + [ids, [self.eos_id]]
         return np.concatenate(parts).astype(np.int64)
 
+    def encode_prompt(self, text: str) -> np.ndarray:
+        """[BOS] ids of a prompt: the start of a document as training saw it, no end."""
+        ids = np.asarray(self._encode(text), dtype=np.int64)
+        return np.concatenate(([[self.bos_id]] if self.bos_id is not None else []) + [ids]).astype(np.int64)
+
+    def decode(self, ids) -> str:
+        """Text of generated ids (special tokens left out)."""
+        return self._decode([int(i) for i in ids])
+
 
 def byte_tokenizer() -> Tokenizer:
     def encode(text: str):
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
 
-    return Tokenizer("byte", BYTE_VOCAB, BOS_ID, EOS_ID, encode)
+    return Tokenizer("byte", BYTE_VOCAB, BOS_ID, EOS_ID, encode, decode_bytes)
 
 
 def hf_tokenizer(path: str | Path, bos: str | None = None, eos: str | None = None) -> Tokenizer:
@@ -77,7 +87,10 @@ def hf_tokenizer(path: str | Path, bos: str | None = None, eos: str | None = Non
     def encode(text: str):
         return tok.encode(text, add_special_tokens=False).ids
 
-    return Tokenizer(str(path.resolve()), tok.get_vocab_size(with_added_tokens=True), bos_id, eos_id, encode)
+    def decode(ids):
+        return tok.decode(ids, skip_special_tokens=True)
+
+    return Tokenizer(str(path.resolve()), tok.get_vocab_size(with_added_tokens=True), bos_id, eos_id, encode, decode)
 
 
 def load_tokenizer(spec: str, bos: str | None = None, eos: str | None = None) -> Tokenizer:
