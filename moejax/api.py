@@ -18,7 +18,6 @@ emulated device count can still be set before jax starts its backends.
 
 from __future__ import annotations
 
-import difflib
 import importlib.util
 import math
 import os
@@ -29,6 +28,7 @@ from pathlib import Path
 import ml_collections
 
 from moejax.config import MESH_AXES, REMAT_POLICIES, ConfigError, validate
+from moejax.config.fields import set_field
 from moejax.config.ranges import check_choice, check_ranges, integer, number
 from moejax.errors import InputError
 from moejax.kernels.resolve import apply_kernels, devices_compute_capability, devices_platform
@@ -62,23 +62,6 @@ def load_config(path, overrides: Mapping[str, object] | None = None) -> ml_colle
     for key, value in (overrides or {}).items():
         set_field(cfg, key, value)
     return cfg
-
-
-def set_field(cfg: ml_collections.ConfigDict, key: str, value) -> None:
-    """cfg.<key> = value for a dotted key naming an existing field, type-checked as ml_collections does."""
-    parent, node, path = None, cfg, []
-    for name in key.split("."):
-        if not isinstance(node, ml_collections.ConfigDict) or name not in node:
-            known = list(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
-            close = difflib.get_close_matches(name, known, n=1)
-            hint = f"; did you mean {'.'.join([*path, close[0]])}?" if close else ""
-            raise ConfigError(f"the config has no field {key}{hint}")
-        parent, node = node, node[name]
-        path.append(name)
-    try:
-        setattr(parent, path[-1], value)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"{key}={value!r}: {e}") from None
 
 
 def check_config(cfg, n_devices: int) -> dict[str, int]:
@@ -307,3 +290,48 @@ def plan(cfg, *, topology: str, gpus: int | Sequence[int], efficiency: float = 0
     check_model_config(cfg)
     return search(cfg, topo, gpus, efficiency=efficiency, domain_size=domain_size, remats=remats,
                   dispatches=dispatches, top=top, candidates=tuple(layouts))
+
+
+# --------------------------------------------------------------------------------------------- inference
+
+
+def load_for_inference(path, overrides: Mapping[str, object] | None = None, *, coordinator: str | None = None,
+                       num_processes: int | None = None, process_id: int | None = None, init_timeout: int = 300):
+    """The saved model `path` names (a run's WORKDIR, WORKDIR/checkpoints/STEP, a weights or an HF directory; or the
+    SavedModel moejax.inference.saved_model.find_saved_model found) loaded onto its config's mesh (moejax.inference.load.LoadedModel), with `overrides` applied to that config. Like
+    prepare_training: the config is read before jax starts, so that without an accelerator its mesh is emulated in
+    CPU devices; then the job is joined and the processes' configs compared. Raises InputError, DistributedError."""
+    from jax._src import xla_bridge  # backends_are_initialized: no public equivalent
+
+    from moejax.inference.load import load_model
+    from moejax.inference.saved_model import SavedModel, find_saved_model, inference_config
+    from moejax.training import distributed
+
+    saved = path if isinstance(path, SavedModel) else find_saved_model(path)
+    cfg = inference_config(saved, overrides)  # small files only: jax has not started
+    if not xla_bridge.backends_are_initialized() and not _has_device_count_flag():
+        _request_cpu_devices(mesh_device_count(cfg.mesh))
+    distributed.initialize(coordinator, num_processes, process_id, init_timeout)
+    distributed.check_processes_agree(cfg.to_json_best_effort(sort_keys=True), init_timeout)
+    return load_model(saved, overrides=overrides)
+
+
+def evaluate(path, data: str | Sequence[str] | None = None, *, split: str = "eval", seq_len: int | None = None,
+             global_batch: int | None = None, max_batches: int | None = None,
+             overrides: Mapping[str, object] | None = None, **join) -> dict:
+    """`moejax-eval PATH --data DIR ...` as a function: the loss per token and perplexity of the saved model at
+    `path` on token directories (`data`; None: the data its config trained on), per source and overall
+    (moejax.inference.evaluate.evaluate_model says how batches combine). split "eval" (the held-out split, as the
+    training loop evaluates) or "train"; seq_len, global_batch and max_batches (per source; 0: all) default to the
+    config's train.seq_len, train.global_batch and train.eval_batches. Keyword arguments coordinator, num_processes,
+    process_id, init_timeout join a multi-process job (load_for_inference). On a run's WORKDIR with no other
+    argument, `training_eval_loss` is the loop's eval_loss at the checkpoint's step."""
+    from moejax.inference.evaluate import check_corpora, evaluate_model
+    from moejax.inference.saved_model import find_saved_model, inference_config
+
+    corpora = [str(data)] if isinstance(data, (str, Path)) else None if data is None else [str(d) for d in data]
+    saved = find_saved_model(path)
+    check_corpora(inference_config(saved, overrides), corpora)  # a data path's typo found before anything restores
+    loaded = load_for_inference(saved, overrides, **join)
+    return evaluate_model(loaded, corpora, split=split, seq_len=seq_len, global_batch=global_batch,
+                          max_batches=max_batches)

@@ -10,6 +10,7 @@ The layers, bottom first (README, "Architecture"):
     interop                    Hugging Face / weights directories
     program                    train state, optimizer, the jitted step: what training runs and planning compiles
     planner, training, report  the planner and dry run; the training loop and its parts; reports of a run
+    inference                  a saved model loaded for evaluation and generation
     api                        the Python API: composes checks and runs
     moejax (package), cli      entry points: the package exports the API; the command-line tools
     train                      `python -m moejax.train`, which is moejax-train
@@ -36,6 +37,7 @@ LAYERS = (
     ("interop",),
     ("program",),
     ("planner", "training", "report"),
+    ("inference",),
     ("api",),
     ("__init__", "cli"),
     ("train",),

@@ -57,3 +57,32 @@ def parse_config(flags, argv: list[str], doc: str, example: str):
     if cfg is None:
         raise UsageError(f"--config is required, e.g. --config {example}")
     return cfg
+
+
+OVERRIDE = "--config."
+
+
+def split_config_overrides(argv: list[str]) -> tuple[list[str], dict[str, str]]:
+    """(the other arguments, {field: text} of the `--config.FIELD=VALUE` ones): for the tools whose config is a saved
+    model's, not a --config file (moejax-eval, moejax-generate), whose argparse parsers do not know the fields."""
+    rest, texts = [], {}
+    for arg in argv:
+        if arg.startswith(OVERRIDE) and "=" in arg:
+            key, _, text = arg[len(OVERRIDE):].partition("=")
+            texts[key] = text
+        else:
+            rest.append(arg)
+    return rest, texts
+
+
+def typed_overrides(texts: dict[str, str]) -> dict:
+    """{field: value} of split_config_overrides' texts, each read as its field's type (every config starts from
+    default_config(), so a field's type is the same in all); ConfigError for an unknown field or a bad value."""
+    from moejax.config import default_config
+    from moejax.config.fields import set_field_from_text
+
+    cfg = default_config()
+    cfg.lock()
+    for key, text in texts.items():
+        set_field_from_text(cfg, key, text)
+    return {key: cfg[key] for key in texts}

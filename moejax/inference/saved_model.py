@@ -1,0 +1,110 @@
+"""What a path given for inference names, and the config inference runs it with, found by reading small files only
+(no orbax, no device: jax has not started, so the emulated CPU device count can still follow the config's mesh).
+
+A path is one of:
+- a run's WORKDIR (WORKDIR/checkpoints/): its newest complete checkpoint (load.py confirms the step with orbax, as a
+  resume picks it);
+- one checkpoint of a run, WORKDIR/checkpoints/STEP (orbax items state/, meta/, config/);
+- a moejax weights directory (config.json + weights/: `moejax-convert import` writes one);
+- a Hugging Face directory (config.json + *.safetensors; deepseek_v3, mixtral or qwen3_moe).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import ml_collections
+
+from moejax.config import MESH_AXES
+from moejax.config.fields import set_field
+from moejax.errors import InputError
+from moejax.interop.hf_checkpoint import read_hf_config, without_absent_mtp
+from moejax.interop.hf_config import from_hf_config
+from moejax.interop.safetensors_io import SafetensorsDir
+from moejax.interop.weights_dir import WEIGHTS, is_training_checkpoint, read_config
+from moejax.program.weights import weights_mismatch
+
+KINDS = ("checkpoint", "weights", "hf")
+
+
+class ModelPathError(InputError):
+    """The path given for inference names no saved model: missing, or not a run, checkpoint, weights or HF dir."""
+
+
+@dataclass(frozen=True)
+class SavedModel:
+    kind: str  # one of KINDS
+    directory: Path  # the checkpoint's step directory, the weights directory or the HF directory
+    saved_cfg: ml_collections.ConfigDict  # the config the model was saved with (an HF directory's: translated)
+    step: int | None = None  # a checkpoint's training step
+    workdir: Path | None = None  # a checkpoint's run, when the path named the run itself
+
+    @property
+    def source(self) -> str:
+        """What was loaded, as printed: 'checkpoint 250 of runs/tiny', 'weights directory W', ..."""
+        if self.kind == "checkpoint":
+            return f"checkpoint {self.step} of {self.directory.parent.parent}"
+        return f"{'weights' if self.kind == 'weights' else 'Hugging Face'} directory {self.directory}"
+
+
+def checkpoint_steps(workdir: Path) -> list[int]:
+    """The steps of WORKDIR's complete checkpoints, oldest first. orbax writes a step under a temporary name and
+    renames it to the bare step number when every item of every process is written."""
+    directory = Path(workdir) / "checkpoints"
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and is_training_checkpoint(p))
+
+
+def checkpoint_of(directory: Path, workdir: Path | None = None) -> SavedModel:
+    return SavedModel("checkpoint", directory, read_config(directory), int(directory.name), workdir)
+
+
+def find_saved_model(path) -> SavedModel:
+    """The saved model `path` names; ModelPathError (one line) when it names none."""
+    path = Path(path)
+    if not path.exists():
+        raise ModelPathError(f"{path} does not exist")
+    if is_training_checkpoint(path):
+        if not path.name.isdigit():
+            raise ModelPathError(f"{path} looks like a checkpoint but is not named by its step (WORKDIR/checkpoints/STEP)")
+        return checkpoint_of(path)
+    if (path / "checkpoints").is_dir():
+        steps = checkpoint_steps(path)
+        if not steps:
+            raise ModelPathError(f"{path} holds no complete checkpoint in {path / 'checkpoints'}")
+        return checkpoint_of(path / "checkpoints" / str(steps[-1]), workdir=path)
+    if (path / "config.json").is_file() and (path / WEIGHTS).is_dir():
+        return SavedModel("weights", path, read_config(path))
+    if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+        cfg = without_absent_mtp(from_hf_config(read_hf_config(path)), SafetensorsDir(path).names())
+        return SavedModel("hf", path, cfg)
+    raise ModelPathError(f"{path} is not a training run (WORKDIR with checkpoints/), a checkpoint "
+                         "(WORKDIR/checkpoints/STEP), a weights directory (config.json + weights/) or a Hugging Face "
+                         "directory (config.json + *.safetensors)")
+
+
+def inference_config(saved: SavedModel, overrides=None) -> ml_collections.ConfigDict:
+    """The saved config as inference runs it, locked: no pipeline (mesh.stage and mesh.virtual_stages 1, the stages'
+    devices given to the data axis unless an axis takes whatever is left) and no gradient accumulation, then
+    `overrides` ({"mesh.expert": 4, "train.global_batch": 8, ...}) applied as moejax.load_config applies them. An
+    override of a model field the weights fix (the table of moejax.config.changes, as for checkpoint.init_from)
+    raises InputError."""
+    cfg = ml_collections.ConfigDict(saved.saved_cfg.to_dict())
+    mesh = cfg.mesh
+    stages = int(mesh.get("stage", 1))
+    if stages == -1:  # the stages took whatever the other axes left: the data axis takes it instead
+        mesh.data = -1
+    elif stages > 1 and all(int(mesh[a]) != -1 for a in MESH_AXES):
+        mesh.data = int(mesh.data) * stages
+    mesh.stage, mesh.virtual_stages, mesh.pipeline_in_flight = 1, 1, 0
+    cfg.train.micro_batches = 1
+    cfg.lock()
+    for key, value in (overrides or {}).items():
+        set_field(cfg, key, value)
+    mismatch = weights_mismatch(saved.saved_cfg, cfg)
+    if mismatch:
+        raise InputError(f"the override {mismatch[0].split(' ')[0]} changes the model the weights of {saved.source} "
+                         f"were saved for ({mismatch[0]})")
+    return cfg
