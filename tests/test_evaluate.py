@@ -5,6 +5,7 @@ Hugging Face directory give the loss of the weights they hold; bad input exits 2
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -198,6 +199,15 @@ def no_checkpoint(run, tmp):
     return [str(tmp / "started")]
 
 
+def corrupt_checkpoint(run, tmp):
+    """The run's checkpoint with its largest array file cut in half."""
+    copy = tmp / str(STEPS)
+    shutil.copytree(run / "checkpoints" / str(STEPS), copy)
+    biggest = max((copy / "state" / "d").iterdir(), key=lambda f: f.stat().st_size)
+    biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 2])
+    return [str(copy)]
+
+
 def empty_data(run, tmp):
     (tmp / "empty").mkdir()
     return [str(run), "--data", str(tmp / "empty")]
@@ -208,6 +218,7 @@ BAD = [
     ("missing path", lambda run, tmp: [str(tmp / "nowhere")], "nowhere does not exist"),
     ("not a model", not_a_model, "is not a training run (WORKDIR with checkpoints/), a checkpoint"),
     ("run without checkpoints", no_checkpoint, "holds no complete checkpoint"),
+    ("corrupt checkpoint", corrupt_checkpoint, "does not restore ("),
     ("missing data", lambda run, tmp: [str(run), "--data", str(tmp / "nodata")], "nodata does not exist"),
     ("empty data directory", empty_data, "empty has no index.json"),
     ("vocabulary larger than the model's", vocab_too_large, "was tokenised with 403 ids but model.vocab_size=264"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Callable
@@ -32,8 +33,13 @@ def run_inference_command(prog: str, call: Callable[[], dict], render: Callable[
     try:
         result = call()
     except InputError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
+        # A restore that failed can leave tensorstore reads in flight whose callbacks print tracebacks into orbax's
+        # closed event loop at interpreter exit (moejax-train does the same): say why on the process's own stderr
+        # and leave without running them.
+        sys.__stderr__.write(f"{prog}: error: {e}\n")
+        sys.stdout.flush()
+        sys.__stderr__.flush()
+        os._exit(2)
     except DistributedError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 4

@@ -28,7 +28,7 @@ from moejax.kernels.resolve import KERNEL_FIELDS, apply_kernels, devices_compute
 from moejax.model.transformer import Transformer
 from moejax.parallel.mesh import mesh_from_config
 from moejax.program.state import create_model, restack, restore_shardings, stacked_like, state_shardings
-from moejax.training.checkpoint import inspect_workdir
+from moejax.training.checkpoint import inspect_workdir, stderr_held_while_restoring
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ def _read_weights(saved: SavedModel, abstract: dict, shardings: dict) -> dict:
     # Only the items named in the target are read: the optimizer moments (twice the parameters) stay on disk.
     args = ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
                                   partial_restore=True)
-    with ocp.PyTreeCheckpointer() as checkpointer:
+    with ocp.PyTreeCheckpointer() as checkpointer, stderr_held_while_restoring():
         try:
             return checkpointer.restore(Path(saved.directory).absolute() / "state", args=args)
         except Exception as e:  # noqa: BLE001 - orbax and tensorstore raise many types; all mean "cannot read it"

@@ -16,6 +16,7 @@ every step that is a multiple of `keep_every_steps` (never deleted).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
@@ -97,6 +98,18 @@ def _unreadable(directory: Path, step: int, steps, error: Exception) -> str:
             f"{directory} to resume from " + (f"step {max(older)}" if older else "scratch"))
 
 
+@contextlib.contextmanager
+def stderr_held_while_restoring():
+    """When one array cannot be read, orbax gives up while other reads are in flight, and their callbacks print
+    tracebacks into its closed event loop from tensorstore threads. What is printed meanwhile is held: replayed on
+    success; on failure stderr stays held, as the process is about to exit 2 with one clear line."""
+    captured, real_stderr = io.StringIO(), sys.stderr
+    sys.stderr = captured
+    yield
+    sys.stderr = real_stderr
+    real_stderr.write(captured.getvalue())
+
+
 class Checkpointer:
     def __init__(self, directory: Path, ckpt_cfg):
         self.directory = Path(directory)
@@ -122,18 +135,12 @@ class Checkpointer:
         """(state on the given shardings, which may belong to another mesh than the save's; meta)."""
         target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                               abstract_state, shardings)
-        # When one array cannot be read, orbax gives up while other reads are in flight, and their callbacks
-        # print tracebacks into its closed event loop from tensorstore threads. Capture what is printed
-        # meanwhile: replayed on success; on failure the process is about to exit 2 with one clear line.
-        captured, real_stderr = io.StringIO(), sys.stderr
-        sys.stderr = captured
-        try:
-            restored = self._manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
-        except Exception as e:
-            raise CheckpointError(_unreadable(self.directory, step, self._manager.all_steps(), e)) from None
-        sys.stderr = real_stderr
-        real_stderr.write(captured.getvalue())
+        with stderr_held_while_restoring():
+            try:
+                restored = self._manager.restore(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
+            except Exception as e:
+                raise CheckpointError(_unreadable(self.directory, step, self._manager.all_steps(), e)) from None
         return restored.state, dict(restored.meta)
 
     def wait(self):
