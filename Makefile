@@ -30,8 +30,9 @@ $(VENV)/.installed: pyproject.toml
 
 # torch is the reference implementation of the transformers comparisons; PyPI's torch for Linux is a CUDA build
 # (about 3 GB of wheels with its NVIDIA libraries; it runs on the CPU).
-$(VENV)/.installed-test: $(VENV)/.installed
-	$(VENV)/bin/python -m pip install -q -e '.[test,hf]'
+# lm-eval (the eval extra): tests/test_lm_eval.py runs the harness end to end.
+$(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
+	$(VENV)/bin/python -m pip install -q -e '.[test,hf,eval]'
 	touch $@
 
 # The gpu extra (jax's CUDA plugin and tokamax: about 3.5 GB of wheels; no GPU or driver needed) for the
@@ -48,8 +49,10 @@ install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 install-gpu: $(VENV_GPU)/.installed
 
+# Then a look at what it learned: text continuing the start of two held-out documents.
 train: $(VENV)/.installed
 	$(CPU_MESH) $(VENV)/bin/moejax-train --config $(CONFIG) --workdir $(WORKDIR)
+	$(CPU_MESH) $(VENV)/bin/moejax-generate $(WORKDIR) --corpus_prompts 2 --max_new_tokens 96
 
 test: $(VENV)/.installed-test
 	@$(VENV)/bin/python -c "import jax, flax, sys; print('suite on Python', sys.version.split()[0], 'jax', jax.__version__, 'flax', flax.__version__)"

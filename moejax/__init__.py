@@ -1,10 +1,10 @@
 """moejax: a JAX/XLA pretraining stack for Mixture-of-Experts language models (DeepSeek-V3 first).
 
 The Python API for launch scripts (moejax/api.py): `load_config`, `check_config`, `train`, `dry_run`,
-`plan`, `evaluate`, and the errors they raise. Importing moejax does not start jax's backends.
+`plan`, `evaluate`, `generate`, and the errors they raise. Importing moejax does not start jax's backends.
 """
 
-from moejax.api import check_config, dry_run, evaluate, load_config, plan, train
+from moejax.api import check_config, dry_run, evaluate, generate, load_config, plan, train
 from moejax.config import ConfigError
 from moejax.errors import InputError
 
@@ -23,4 +23,4 @@ def __getattr__(name):
 
 
 __all__ = ["ConfigError", "DistributedError", "InputError", "NonFiniteLoss", "Stopped", "check_config", "dry_run",
-           "evaluate", "load_config", "plan", "train"]
+           "evaluate", "generate", "load_config", "plan", "train"]

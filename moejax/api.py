@@ -335,3 +335,42 @@ def evaluate(path, data: str | Sequence[str] | None = None, *, split: str = "eva
     loaded = load_for_inference(saved, overrides, **join)
     return evaluate_model(loaded, corpora, split=split, seq_len=seq_len, global_batch=global_batch,
                           max_batches=max_batches)
+
+
+def generate(path, prompts: Sequence[str | Sequence[int]] = (), *, corpus_prompts: int = 0, tokenizer: str | None = None,
+             max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+             stop_ids: Sequence[int] = (), seed: int = 0, overrides: Mapping[str, object] | None = None,
+             **join) -> dict:
+    """`moejax-generate PATH --prompt TEXT ...` as a function: new text for each prompt (text, or a list of token
+    ids) from the saved model at `path`, all prompts in one batch, with a KV cache on the model's mesh
+    (moejax.inference.generate). corpus_prompts=N adds the start of the first N held-out documents of its training
+    data. Greedy for temperature 0, else sampled (top_k 0 and top_p 1: off), reproducibly from `seed`. A row ends at
+    the tokenizer's end token or a `stop_ids` token (included in "tokens", left out of "completion"), after
+    max_new_tokens, or at the model's positions. Returns {"model", "mesh", "prompts", "new_tokens",
+    "prefill_tokens_per_s", "decode_tokens_per_s", "samples": [{"prompt", "completion", "tokens", "finish"}]}.
+    Raises InputError (a path that names no model, a tokenizer that does not match it, no or an empty prompt, one
+    longer than the model's positions), DistributedError."""
+    from moejax.inference.generate import generate_ids
+    from moejax.inference.prompts import corpus_prompts as held_out_prompts
+    from moejax.inference.prompts import tokenizer_for
+    from moejax.inference.sampling import Sampling
+    from moejax.inference.saved_model import find_saved_model, inference_config
+
+    saved = find_saved_model(path)
+    cfg = inference_config(saved, overrides)
+    tok = tokenizer_for(cfg, saved.directory if saved.kind == "hf" else None, tokenizer)  # before anything restores
+    ids = [tok.encode_prompt(p).tolist() if isinstance(p, str) else [int(t) for t in p] for p in prompts]
+    if corpus_prompts:
+        ids += held_out_prompts(cfg, int(corpus_prompts))
+    if not ids:
+        raise InputError("no prompt: give one (--prompt, --prompt_file) or take some from the data (--corpus_prompts)")
+    loaded = load_for_inference(saved, overrides, **join)
+    stops = [tok.eos_id, *(int(t) for t in stop_ids)]
+    gen = generate_ids(loaded.model, ids, max_new_tokens=int(max_new_tokens),
+                       sampling=Sampling(float(temperature), int(top_k), float(top_p)), stop_ids=stops, seed=int(seed),
+                       mesh=loaded.mesh, max_positions=int(loaded.cfg.model.max_seq_len))
+    samples = [{"prompt": tok.decode(p), "completion": tok.decode([t for t in new if t not in stops]), "tokens": new,
+                "finish": finish} for p, new, finish in zip(ids, gen.tokens, gen.finish)]
+    return {"model": loaded.source, "mesh": dict(loaded.mesh.shape), "prompts": len(ids),
+            "new_tokens": gen.new_tokens, "prefill_tokens_per_s": gen.prompt_tokens / max(gen.prefill_s, 1e-9),
+            "decode_tokens_per_s": gen.new_tokens / max(gen.decode_s, 1e-9), "samples": samples}

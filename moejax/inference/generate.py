@@ -22,13 +22,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from moejax.errors import InputError
 from moejax.inference.sampling import Sampling, next_token
 from moejax.parallel.mesh import batch_axes, batch_sharding
 
 _LENGTH_QUANTUM = 64  # cache lengths are rounded up to this: requests of similar length reuse one compile
 
 
-class GenerateError(ValueError):
+class GenerateError(InputError, ValueError):
     """A request generation cannot serve (empty prompt, too long for the model's positions, bad sampling)."""
 
 
@@ -53,8 +54,8 @@ def check_mesh(mesh) -> None:
         return
     for axis in ("stage", "context"):
         if mesh.shape.get(axis, 1) > 1:
-            raise GenerateError(f"generation needs mesh.{axis}=1 (this mesh has {axis}={mesh.shape[axis]}); load the "
-                                f"checkpoint with moejax.inference.load_model, which sets it")
+            raise GenerateError(f"generation needs mesh.{axis}=1 (this mesh has {axis}={mesh.shape[axis]}); override "
+                                f"it (--config.mesh.{axis}=1) and give its devices to data or expert")
 
 
 def _prefill(state, tokens_BxP, lengths_B, key, *, graphdef, cache_len: int, sampling: Sampling):

@@ -94,12 +94,12 @@ def inference_config(saved: SavedModel, overrides=None) -> ml_collections.Config
     cfg = ml_collections.ConfigDict(saved.saved_cfg.to_dict())
     mesh = cfg.mesh
     stages = int(mesh.get("stage", 1))
-    if stages == -1:  # the stages took whatever the other axes left: the data axis takes it instead
-        mesh.data = -1
-    elif stages > 1 and all(int(mesh[a]) != -1 for a in MESH_AXES):
+    if stages > 1 and all(int(mesh[a]) != -1 for a in MESH_AXES):  # (validate refuses stage=-1)
         mesh.data = int(mesh.data) * stages
     mesh.stage, mesh.virtual_stages, mesh.pipeline_in_flight = 1, 1, 0
     cfg.train.micro_batches = 1
+    # An HF directory's config keeps the default run length of moejax's configs, which may pass its positions.
+    cfg.train.seq_len = min(int(cfg.train.seq_len), int(cfg.model.max_seq_len))
     cfg.lock()
     for key, value in (overrides or {}).items():
         set_field(cfg, key, value)
