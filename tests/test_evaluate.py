@@ -18,7 +18,7 @@ from flax import nnx
 
 import moejax
 from moejax.cli.data import main as data_main
-from tests.test_bad_input import tokenizer_vocab_too_large
+from tests.test_bad_input import byte_dir, tokenizer_vocab_too_large
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 12
@@ -119,6 +119,10 @@ def test_loss_per_token_is_the_mean_over_every_predicted_token(run, token_dirs):
     assert len(set(per_batch.tolist())) > 1, per_batch  # the document ends make the batches' weights differ
     assert result["sources"][0]["tokens"] == mask.sum()
     assert result["sources"][0]["loss"] == pytest.approx(nll[mask].mean(), rel=2e-6)  # a plain mean of the batch means: 1.4e-5 off
+    # The train split: other rows of the same source, so another loss.
+    on_train = evaluate_model(loaded, [words], split="train", max_batches=3, **SHAPE)
+    assert on_train["split"] == "train" and on_train["sources"][0]["tokens"] > 0
+    assert on_train["sources"][0]["loss"] != result["sources"][0]["loss"]
 
 
 def test_cli_prints_and_writes_per_source_and_token_weighted_overall(run, token_dirs, tmp_path):
@@ -183,6 +187,40 @@ def test_hugging_face_directory_gives_the_loss_of_the_weights_it_was_exported_fr
     assert from_hf["overall"]["loss"] == pytest.approx(from_weights["overall"]["loss"], rel=1e-5)
 
 
+def test_a_checkpoint_saved_with_pipeline_stages_loads_in_layer_order(tmp_path):
+    """3 MoE layers over 2 stages: stored in padded chunk slots (one identity slot). Loaded for inference (no stages),
+    every parameter and router bias equals the layer-order model the checkpoint was made from."""
+    from moejax.config import validate
+    from moejax.inference.load import load_model
+    from moejax.parallel.mesh import mesh_from_config
+    from moejax.program.state import create_model, restack, state_shardings
+    from moejax.training.checkpoint import Checkpointer
+
+    shrunk = {"model.n_layers": 4, "model.d_model": 64, "model.head_dim": 16, "model.d_ff": 128,
+              "moe.d_ff_expert": 32, "train.global_batch": 16}
+    layered = moejax.load_config(ROOT / "configs/tiny.py", shrunk)
+    piped = moejax.load_config(ROOT / "configs/tiny.py", {**shrunk, "mesh.stage": 2, "train.micro_batches": 2})
+    model = create_model(layered, 5)
+    with jax.set_mesh(mesh := mesh_from_config(piped, validate(piped, 8))):
+        _, params, model_state = nnx.split(model, nnx.Param, ...)
+        _, a_params, a_state = nnx.split(nnx.eval_shape(lambda: create_model(piped, 0)), nnx.Param, ...)
+        abstract = {"params": a_params, "model_state": a_state}
+        in_slots = restack({"params": params, "model_state": model_state}, abstract, state_shardings(abstract, mesh),
+                           mesh, layered, piped)
+    slots = in_slots["params"]["moe_layers"]["ffn"]["w_up_ExDxF"].shape[0]
+    assert (params["moe_layers"]["ffn"]["w_up_ExDxF"].shape[0], slots) == (3, 4)  # 3 layers in 4 slots
+    saver = Checkpointer(tmp_path / "run" / "checkpoints", piped.checkpoint)
+    saver.save(3, in_slots, meta={"step": 3}, config_json=piped.to_json_best_effort(sort_keys=True))
+    saver.close()
+    loaded = load_model(tmp_path / "run")
+    assert loaded.step == 3 and loaded.mesh.shape["stage"] == 1 and loaded.cfg.mesh.stage == 1
+    expected, got = nnx.state(model), nnx.state(loaded.model)
+    assert jax.tree.structure(expected) == jax.tree.structure(got)
+    for path, want in jax.tree.leaves_with_path(expected):
+        np.testing.assert_array_equal(np.asarray(dict(jax.tree.leaves_with_path(got))[path]), np.asarray(want),
+                                      err_msg=jax.tree_util.keystr(path))
+
+
 def vocab_too_large(run, tmp):
     tokenizer_vocab_too_large(tmp)  # test_bad_input's row: 403 ids into tmp/tok
     return [str(run), "--data", str(tmp / "tok")]
@@ -221,6 +259,8 @@ BAD = [
     ("corrupt checkpoint", corrupt_checkpoint, "does not restore ("),
     ("missing data", lambda run, tmp: [str(run), "--data", str(tmp / "nodata")], "nodata does not exist"),
     ("empty data directory", empty_data, "empty has no index.json"),
+    ("data without a held-out split", lambda run, tmp: [str(run), "--data", str(byte_dir(tmp))],
+     "has no full batch in its eval split (8 rows of 33 tokens); try split 'train'"),
     ("vocabulary larger than the model's", vocab_too_large, "was tokenised with 403 ids but model.vocab_size=264"),
     ("an override of the model's shape", lambda run, tmp: [str(run), "--config.model.d_model=32"],
      "the override model.d_model changes the model"),
