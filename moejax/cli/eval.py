@@ -47,9 +47,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def format_table(result: dict) -> str:
     """What moejax-eval prints: a line saying what was evaluated, then source | tokens | loss/token | perplexity."""
+    batches = f"at most {result['max_batches']}" if result["max_batches"] else "every batch"
     lines = [f"{result['model']} | mesh {result['mesh']} | {result['split']} split, batches of {result['global_batch']} "
-             f"x {result['seq_len']} tokens, at most {result['max_batches'] or 'all'} per source | "
-             f"{result['seconds']:.1f}s"]
+             f"x {result['seq_len']} tokens, {batches} per source | {result['seconds']:.1f}s"]
     width = max(len("overall"), *(len(s["source"]) for s in result["sources"]))
     lines.append(f"{'source':<{width}}  {'tokens':>10}  {'loss/token':>10}  {'perplexity':>10}")
     for row in [*result["sources"], {"source": "overall", **result["overall"]}]:

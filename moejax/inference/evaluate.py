@@ -52,7 +52,8 @@ def evaluate_model(loaded: LoadedModel, corpora: list[str] | None = None, *, spl
     Returns {"model", "step", "split", "seq_len", "global_batch", "max_batches", "mesh", "seconds",
     "sources": [{"source", "tokens", "batches", "loss", "perplexity", "batch_mean_loss"}, ...],
     "overall": {"tokens", "batches", "loss", "perplexity"}} and, for corpora=None on the eval split,
-    "training_eval_loss" (see the module's docstring for how batches are combined). Raises InputError for a
+    "training_eval_loss" (see the module's docstring for how batches are combined); "seconds" is the evaluation's
+    wall time, compiles included. Raises InputError for a
     batch shape the mesh does not fit, data that cannot be read or does not fit the model's vocabulary, and a
     source with no full batch in the split."""
     cfg = loaded.cfg

@@ -19,7 +19,8 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh
 
-from moejax.config import ConfigError, validate
+from moejax.config import MESH_AXES, ConfigError, validate
+from moejax.errors import InputError
 from moejax.inference.saved_model import SavedModel, checkpoint_of, find_saved_model, inference_config
 from moejax.interop.hf_checkpoint import load_hf_state
 from moejax.interop.safetensors_io import CheckpointFormatError
@@ -54,6 +55,9 @@ def load_model(path, *, overrides: dict | None = None, mesh: Mesh | None = None)
     devices = list(mesh.devices.flat) if mesh is not None else jax.devices()
     _apply_kernels_here(cfg, devices)
     if mesh is not None:
+        if tuple(mesh.axis_names) != MESH_AXES or mesh.shape["stage"] > 1:
+            raise InputError(f"load_model needs a mesh of the axes {MESH_AXES} with stage 1 (inference never "
+                             f"pipelines), not {dict(mesh.shape)}")
         for axis, size in mesh.shape.items():
             cfg.mesh[axis] = int(size)
     sizes = validate(cfg, len(devices))
