@@ -3,6 +3,8 @@
 transformers' `generate` for prompts of different lengths batched together, stopping at the same end token; the
 cached forward's logits equal the uncached forward's; the sampling filters equal transformers' logits warpers."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -122,3 +124,61 @@ def test_requests_generation_cannot_serve(imported):
     # A prompt near the end of the positions generates until them, then stops with finish "length".
     out = generate_ids(model, [[1] * (limit - 3)], max_new_tokens=10, max_positions=limit)
     assert out.finish == ["length"] and len(out.tokens[0]) == 3
+
+
+CHARS = "abcdefghijklmnopqrstuvwxyz .,\n"
+
+
+@pytest.fixture(scope="module")
+def hf_dir_with_tokenizer(tmp_path_factory):
+    """The tiny DeepSeek-V3 checkpoint with a character-level tokenizer.json (end token </s>, no BOS) beside it."""
+    from tokenizers import Tokenizer, decoders, models
+
+    directory = tmp_path_factory.mktemp("dsv3_tok")
+    _perturbed_model("deepseek_v3").save_pretrained(directory)
+    tok = Tokenizer(models.BPE(vocab={"</s>": 0, "<unk>": 1, **{c: i + 2 for i, c in enumerate(CHARS)}}, merges=[],
+                               unk_token="<unk>"))
+    tok.decoder = decoders.Fuse()
+    tok.save(str(directory / "tokenizer.json"))
+    return directory
+
+
+def test_cli_expert_parallel_decode_equals_one_device(hf_dir_with_tokenizer, tmp_path, capsys):
+    """moejax-generate on an 8-device mesh (data 2 x expert 4: the MoE layers through the expert-parallel dispatch)
+    gives the tokens one device gives, and prints prompt and completion."""
+    from moejax.cli.generate import main
+    from moejax.data.tokenizer import load_tokenizer
+
+    out = tmp_path / "out.json"
+    prompts = ["the cat sat", "one two three four, five"]
+    rc = main([str(hf_dir_with_tokenizer), "--prompt", prompts[0], "--prompt", prompts[1], "--max_new_tokens", "6",
+               "--config.mesh.expert=4", "--config.mesh.data=2", "--json", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert result["mesh"]["expert"] == 4 and result["mesh"]["data"] == 2
+    tok = load_tokenizer(str(hf_dir_with_tokenizer / "tokenizer.json"))
+    model, cfg = load_hf(hf_dir_with_tokenizer, base_config=_base())
+    one = generate_ids(model, [tok.encode_prompt(p).tolist() for p in prompts], max_new_tokens=6, stop_ids=[0],
+                       max_positions=cfg.model.max_seq_len)
+    assert [s["tokens"] for s in result["samples"]] == one.tokens
+    printed = capsys.readouterr().out
+    assert all(f"{p}\u2502" in printed for p in prompts)
+
+
+def test_cli_bad_input_is_one_line_and_exit_2(hf_dir_with_tokenizer, tmp_path, capsys):
+    from moejax.cli.generate import main
+
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    long_prompt = "a" * 40  # the tiny model has 32 positions
+    for args, message in [
+        ([str(tmp_path / "nowhere"), "--prompt", "x"], "does not exist"),
+        ([str(hf_dir_with_tokenizer), "--prompt", "x", "--tokenizer", "byte"],
+         "tokenizer byte has 259 ids but the model's vocabulary is 96"),
+        ([str(hf_dir_with_tokenizer), "--prompt_file", str(empty)], "holds no prompt"),
+        ([str(hf_dir_with_tokenizer)], "no prompt"),
+        ([str(hf_dir_with_tokenizer), "--prompt", long_prompt], "has 40 tokens: the model has 32 positions"),
+    ]:
+        assert main(args) == 2, args
+        errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]  # notices aside
+        assert len(errors) == 1 and errors[0].startswith("moejax-generate: error: ") and message in errors[0], args
