@@ -49,10 +49,11 @@ install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 install-gpu: $(VENV_GPU)/.installed
 
-# Then a look at what it learned: text continuing the start of two held-out documents.
+# Then a look at what it learned: text continuing the start of two held-out documents, sampled (temperature 0.7,
+# top-k 20: greedy decoding of a model this small repeats itself).
 train: $(VENV)/.installed
 	$(CPU_MESH) $(VENV)/bin/moejax-train --config $(CONFIG) --workdir $(WORKDIR)
-	$(CPU_MESH) $(VENV)/bin/moejax-generate $(WORKDIR) --corpus_prompts 2 --max_new_tokens 96
+	$(CPU_MESH) $(VENV)/bin/moejax-generate $(WORKDIR) --corpus_prompts 2 --max_new_tokens 96 --temperature 0.7 --top_k 20 --seed 1
 
 test: $(VENV)/.installed-test
 	@$(VENV)/bin/python -c "import jax, flax, sys; print('suite on Python', sys.version.split()[0], 'jax', jax.__version__, 'flax', flax.__version__)"

@@ -40,7 +40,7 @@ def _corpus_or_empty(cfg):
         return []
 
 
-def corpus_prompts(cfg, n: int, tokens: int = 24) -> list[list[int]]:
+def corpus_prompts(cfg, n: int, tokens: int = 32) -> list[list[int]]:
     """The first `tokens` ids of the first n held-out documents of the model's training data (BOS included), so a
     sample shows what the model learned to continue."""
     prompts = []
