@@ -32,6 +32,9 @@ from moejax.config.fields import set_field
 from moejax.config.ranges import check_choice, check_ranges, integer, number
 from moejax.errors import InputError
 from moejax.kernels.resolve import apply_kernels, devices_compute_capability, devices_platform
+from moejax.parallel.cpu_devices import has_device_count_flag as _has_device_count_flag
+from moejax.parallel.cpu_devices import mesh_device_count
+from moejax.parallel.cpu_devices import request_cpu_devices as _request_cpu_devices
 from moejax.parallel.xla_gpu_flags import add_overlap_flags
 from moejax.parallel.xla_gpu_flags import describe as describe_xla_flags
 
@@ -84,26 +87,6 @@ def check_model_config(cfg) -> None:
     """validate() where no device count is known (moejax-plan, moejax.plan): the -1 mesh axis counts as 1, so the
     model and run fields are checked, not whether the mesh fits some device count."""
     validate(cfg, math.prod(max(1, int(cfg.mesh[a])) for a in MESH_AXES))
-
-
-def mesh_device_count(mesh_cfg) -> int:
-    """The device count a mesh config names: the product of its axes; with an axis of -1 (whatever the devices
-    leave), the smallest multiple of the other axes' product that is at least 8 (the emulated CPU mesh the
-    tests and the tiny configs use)."""
-    fixed = math.prod(max(1, int(mesh_cfg[a])) for a in MESH_AXES)
-    if all(int(mesh_cfg[a]) != -1 for a in MESH_AXES):
-        return fixed
-    return fixed * max(1, -(-8 // fixed))
-
-
-def _has_device_count_flag() -> bool:
-    return "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
-
-
-def _request_cpu_devices(n_devices: int) -> None:
-    """Asks for n_devices CPU devices (XLA_FLAGS; read when jax starts its backends, a no-op after)."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n_devices}".strip()
 
 
 # --------------------------------------------------------------------------------------------- training
@@ -295,25 +278,13 @@ def plan(cfg, *, topology: str, gpus: int | Sequence[int], efficiency: float = 0
 # --------------------------------------------------------------------------------------------- inference
 
 
-def load_for_inference(path, overrides: Mapping[str, object] | None = None, *, coordinator: str | None = None,
-                       num_processes: int | None = None, process_id: int | None = None, init_timeout: int = 300):
-    """The saved model `path` names (a run's WORKDIR, WORKDIR/checkpoints/STEP, a weights or an HF directory; or the
-    SavedModel moejax.inference.saved_model.find_saved_model found) loaded onto its config's mesh (moejax.inference.load.LoadedModel), with `overrides` applied to that config. Like
-    prepare_training: the config is read before jax starts, so that without an accelerator its mesh is emulated in
-    CPU devices; then the job is joined and the processes' configs compared. Raises InputError, DistributedError."""
-    from jax._src import xla_bridge  # backends_are_initialized: no public equivalent
+def load_for_inference(path, overrides: Mapping[str, object] | None = None, **join):
+    """moejax.inference.load.load_for_inference: the saved model at `path` on its config's mesh, emulated in CPU
+    devices without an accelerator, in a joined job (keyword arguments coordinator, num_processes, process_id,
+    init_timeout)."""
+    from moejax.inference.load import load_for_inference as load
 
-    from moejax.inference.load import load_model
-    from moejax.inference.saved_model import SavedModel, find_saved_model, inference_config
-    from moejax.training import distributed
-
-    saved = path if isinstance(path, SavedModel) else find_saved_model(path)
-    cfg = inference_config(saved, overrides)  # small files only: jax has not started
-    if not xla_bridge.backends_are_initialized() and not _has_device_count_flag():
-        _request_cpu_devices(mesh_device_count(cfg.mesh))
-    distributed.initialize(coordinator, num_processes, process_id, init_timeout)
-    distributed.check_processes_agree(cfg.to_json_best_effort(sort_keys=True), init_timeout)
-    return load_model(saved, overrides=overrides)
+    return load(path, overrides, **join)
 
 
 def evaluate(path, data: str | Sequence[str] | None = None, *, split: str = "eval", seq_len: int | None = None,

@@ -27,8 +27,10 @@ from moejax.interop.safetensors_io import CheckpointFormatError
 from moejax.interop.weights_dir import load_weights
 from moejax.kernels.resolve import KERNEL_FIELDS, apply_kernels, devices_compute_capability, devices_platform
 from moejax.model.transformer import Transformer
+from moejax.parallel.cpu_devices import has_device_count_flag, mesh_device_count, request_cpu_devices
 from moejax.parallel.mesh import mesh_from_config
 from moejax.program.state import create_model, restack, restore_shardings, stacked_like, state_shardings
+from moejax.training import distributed
 from moejax.training.checkpoint import inspect_workdir, stderr_held_while_restoring
 
 
@@ -64,6 +66,24 @@ def load_model(path, *, overrides: dict | None = None, mesh: Mesh | None = None)
     mesh = mesh if mesh is not None else mesh_from_config(cfg, sizes)
     model = _restored_model(saved, cfg, mesh)
     return LoadedModel(model, cfg, mesh, saved.source, saved.step)
+
+
+def load_for_inference(path, overrides: dict | None = None, *, coordinator: str | None = None,
+                       num_processes: int | None = None, process_id: int | None = None,
+                       init_timeout: int = 300) -> LoadedModel:
+    """load_model as the entry points call it, like moejax.api.prepare_training: the config is read before jax starts
+    (small files only), so that without an accelerator its mesh is emulated in CPU devices; then the job is joined
+    (the flags or variables of training/distributed.py) and the processes' configs compared. `path` may also be the
+    SavedModel find_saved_model found. Raises InputError, DistributedError."""
+    from jax._src import xla_bridge  # backends_are_initialized: no public equivalent
+
+    saved = path if isinstance(path, SavedModel) else find_saved_model(path)
+    cfg = inference_config(saved, overrides)
+    if not xla_bridge.backends_are_initialized() and not has_device_count_flag():
+        request_cpu_devices(mesh_device_count(cfg.mesh))
+    distributed.initialize(coordinator, num_processes, process_id, init_timeout)
+    distributed.check_processes_agree(cfg.to_json_best_effort(sort_keys=True), init_timeout)
+    return load_model(saved, overrides=overrides)
 
 
 def _apply_kernels_here(cfg, devices):
