@@ -87,7 +87,7 @@ def main(argv=None) -> int:
     serving = []
     for layout in layouts:
         memory = serving_memory(big, layout, batch=args.serve_batch, context=args.serve_context)
-        serving.append({"layout": layout.name, "gpus": layout.n_devices, **memory})
+        serving.append({"layout": layout.name(), "gpus": layout.n_devices, **memory})
     kept, expanded = serving[0]["kv_bytes_per_position_per_layer"], serving[0]["expanded_kv_bytes_per_position_per_layer"]
     print(f"\nDeepSeek-V3 671B KV cache per position and layer (bf16): MLA latent + RoPE key {kept:,} B, expanded K/V "
           f"{expanded:,} B ({expanded / kept:.0f}x)")

@@ -4,6 +4,8 @@ transformers' `generate` for prompts of different lengths batched together, stop
 cached forward's logits equal the uncached forward's; the sampling filters equal transformers' logits warpers."""
 
 import json
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +20,7 @@ from moejax.inference.generate import GenerateError, generate_ids  # noqa: E402
 from moejax.inference.sampling import Sampling, filtered_logits  # noqa: E402
 from moejax.interop import load_hf  # noqa: E402
 from moejax.model.moe import exact_dispatch  # noqa: E402
+from cpu_env import cpu_env  # noqa: E402
 from test_hf_interop import VOCAB, _base, _perturbed_model  # noqa: E402
 
 GENERATED = ("deepseek_v3", "mixtral", "qwen3_moe_mlp_only")
@@ -165,20 +168,22 @@ def test_cli_expert_parallel_decode_equals_one_device(hf_dir_with_tokenizer, tmp
     assert all(f"{p}\u2502" in printed for p in prompts)
 
 
-def test_cli_bad_input_is_one_line_and_exit_2(hf_dir_with_tokenizer, tmp_path, capsys):
-    from moejax.cli.generate import main
-
+def test_cli_bad_input_is_one_line_and_exit_2(hf_dir_with_tokenizer, tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("\n\n")
     long_prompt = "a" * 40  # the tiny model has 32 positions
-    for args, message in [
+    cases = [
         ([str(tmp_path / "nowhere"), "--prompt", "x"], "does not exist"),
         ([str(hf_dir_with_tokenizer), "--prompt", "x", "--tokenizer", "byte"],
          "tokenizer byte has 259 ids but the model's vocabulary is 96"),
         ([str(hf_dir_with_tokenizer), "--prompt_file", str(empty)], "holds no prompt"),
         ([str(hf_dir_with_tokenizer)], "no prompt"),
         ([str(hf_dir_with_tokenizer), "--prompt", long_prompt], "has 40 tokens: the model has 32 positions"),
-    ]:
-        assert main(args) == 2, args
-        errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]  # notices aside
+    ]
+    started = [subprocess.Popen([sys.executable, "-m", "moejax.cli.generate", *args], env=cpu_env(8),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for args, _ in cases]
+    for (args, message), proc in zip(cases, started):
+        _, err = proc.communicate(timeout=300)
+        errors = [line for line in err.splitlines() if "error" in line.lower()]  # notices aside
+        assert proc.returncode == 2 and "Traceback" not in err, (args, err[-2000:])
         assert len(errors) == 1 and errors[0].startswith("moejax-generate: error: ") and message in errors[0], args

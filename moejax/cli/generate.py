@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 from moejax.cli.config_flag import split_config_overrides, typed_overrides
+from moejax.cli.inference_command import add_job_flags, job_flags, run_inference_command
 
 PROG = "moejax-generate"
 
@@ -47,10 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--stop_id", type=int, action="append", default=[], help="a token id that ends a row (repeatable)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="OUT", help="also write prompts, completions and timings as JSON")
-    p.add_argument("--coordinator", help="HOST:PORT of process 0 (multi-process jobs)")
-    p.add_argument("--num_processes", type=int, help="processes in the job")
-    p.add_argument("--process_id", type=int, help="this process's index in [0, num_processes)")
-    p.add_argument("--init_timeout", type=int, default=300, help="seconds to wait for every process to join")
+    add_job_flags(p)
     return p
 
 
@@ -82,35 +80,18 @@ def format_samples(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    argv, texts = split_config_overrides(argv)
+    argv, texts = split_config_overrides(list(sys.argv[1:] if argv is None else argv))
     args = _parser().parse_args(argv)
     from moejax import api
-    from moejax.errors import InputError
-    from moejax.training.distributed import DistributedError
 
-    try:
+    def call() -> dict:
         prompts = list(args.prompt) + (_file_prompts(args.prompt_file) if args.prompt_file else [])
-        result = api.generate(args.path, prompts, corpus_prompts=args.corpus_prompts, tokenizer=args.tokenizer,
-                              max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                              top_p=args.top_p, stop_ids=args.stop_id, seed=args.seed,
-                              overrides=typed_overrides(texts), coordinator=args.coordinator,
-                              num_processes=args.num_processes, process_id=args.process_id,
-                              init_timeout=args.init_timeout)
-    except InputError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
-    except DistributedError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 4
-    import jax
+        return api.generate(args.path, prompts, corpus_prompts=args.corpus_prompts, tokenizer=args.tokenizer,
+                            max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, stop_ids=args.stop_id, seed=args.seed, overrides=typed_overrides(texts),
+                            **job_flags(args))
 
-    if jax.process_index() == 0:
-        print(format_samples(result), flush=True)
-        if args.json:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-    return 0
+    return run_inference_command(PROG, call, format_samples, args.json)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from lm_eval.api.registry import register_model
 
 from moejax.data.tokenizer import TokenizerError, load_tokenizer
 from moejax.inference.generate import generate_ids
-from moejax.api import load_for_inference
+from moejax.inference.load import load_for_inference
 from moejax.inference.sampling import Sampling
 from moejax.inference.scoring import score
 
