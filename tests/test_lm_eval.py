@@ -96,7 +96,7 @@ def test_moejax_model_equals_hf_model_on_local_tasks(tmp_path):
     _task_dir(tasks)
     # Ours through the command line, as a user runs it (a fresh process: the registration is the command's).
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "moejax.cli.lm_eval", "--model", "moejax", "--model_args",
+    cmd = [sys.executable, "-m", "moejax.cli.lm_eval", "run", "--model", "moejax", "--model_args",
            f"pretrained={model_dir},dtype=float32", "--batch_size", "4", "--tasks", ",".join(TASKS),
            "--include_path", str(tasks), "--output_path", str(out), "--log_samples"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)

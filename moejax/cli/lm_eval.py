@@ -1,6 +1,6 @@
 """moejax-lm-eval: EleutherAI lm-evaluation-harness's command line with the `moejax` model registered.
 
-    moejax-lm-eval --model moejax --model_args pretrained=runs/tiny,batch_size=8 --tasks TASK --include_path TASKS/
+    moejax-lm-eval run --model moejax --model_args pretrained=runs/tiny --tasks TASK --include_path TASKS/ --batch_size 8
 
 Every argument is lm-eval's (`moejax-lm-eval --help`); the moejax model's arguments are in
 moejax/inference/lm_eval_model.py and docs/evaluation.md. lm-eval 0.4 has no way for another package to add a

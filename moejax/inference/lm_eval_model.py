@@ -1,7 +1,7 @@
 """A moejax model for EleutherAI's lm-evaluation-harness (`lm_eval`, the optional `eval` extra), registered as
 `moejax`. lm-eval 0.4 finds models only in its own table or where a module registered them, so the registration
 happens on importing this module: `moejax-lm-eval` is lm-eval's command line with it imported
-(`moejax-lm-eval --model moejax --model_args pretrained=runs/tiny --tasks ...`), and in Python
+(`moejax-lm-eval run --model moejax --model_args pretrained=runs/tiny --tasks ...`), and in Python
 `import moejax.inference.lm_eval_model` before `lm_eval.simple_evaluate(model="moejax", ...)`.
 
 model_args: pretrained (a run's WORKDIR, WORKDIR/checkpoints/STEP, a weights or a Hugging Face directory),
