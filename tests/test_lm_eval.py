@@ -106,7 +106,9 @@ def test_moejax_model_equals_hf_model_on_local_tasks(tmp_path):
         task = path.name[len("samples_"):].rsplit("_", 1)[0]
         ours[task] = [json.loads(line) for line in path.read_text().splitlines()]
     assert sorted(ours) == sorted(TASKS), sorted(ours)
-    # lm-eval's own `hf` model on the same directory, in this process.
+    # lm-eval's own `hf` model on the same directory, in this process (where another test may have registered the
+    # moejax model first: lm-eval's table must still hold its own models).
+    import moejax.inference.lm_eval_model  # noqa: F401
     from lm_eval.tasks import TaskManager
 
     reference = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={model_dir},dtype=float32",

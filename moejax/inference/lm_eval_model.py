@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 
+import lm_eval.models  # noqa: F401  (lm-eval fills its own model table only while it is empty: fill it before ours)
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
