@@ -69,14 +69,16 @@ def load_config(path, overrides: Mapping[str, object] | None = None) -> ml_colle
 
 def check_config(cfg, n_devices: int) -> dict[str, int]:
     """Every check a run makes before anything compiles; returns the resolved mesh shape. The config's own
-    (moejax.config.validate), then the facts that live elsewhere: the topology name (parallel), the data
-    (data), the weights directory to start from (interop)."""
+    (moejax.config.validate), then the facts that live elsewhere: the topology name (parallel), wandb installed
+    when the run logs to W&B (training), the data (data), the weights directory to start from (interop)."""
     from moejax.data.sources import check_data_config
     from moejax.interop.weights_dir import check_weights_dir
     from moejax.parallel.topology import check_topology_name
+    from moejax.training.wandb_logger import check_wandb_installed
 
     sizes = validate(cfg, n_devices)
     check_topology_name(cfg.mesh.topology)
+    check_wandb_installed(cfg.observability.wandb)
     check_data_config(cfg.data, vocab_size=cfg.model.vocab_size)
     if cfg.checkpoint.init_from:
         check_weights_dir(cfg.checkpoint.init_from)

@@ -1,13 +1,16 @@
 """`moejax-data`: turn text into the token directories `data.corpus` reads, and check them.
 
-    moejax-data tokenize INPUT... --output DIR [--tokenizer byte|PATH/tokenizer.json] [--jsonl_key text]
-                         [--shard_tokens N] [--eval_every_nth_doc 20] [--bos TOKEN] [--eos TOKEN]
+    moejax-data tokenize INPUT... --output DIR [--tokenizer byte|PATH/tokenizer.json] [--text_key text]
+                         [--workers N] [--shard_tokens N] [--eval_every_nth_doc 20] [--bos TOKEN] [--eos TOKEN]
     moejax-data inspect DIR [--json] [--no_verify]
 
 INPUT is a file or a directory (every file under it, in path order). A `.jsonl` file holds one document per
-line (the string field --jsonl_key); any other file is one UTF-8 document. Every --eval_every_nth_doc-th
-document goes to the eval split (0: none). Exit codes: 0 done, 2 bad input (one line on stderr; nothing
-is written, an existing output is never touched).
+line (the string field --text_key); a `.parquet` file and a Hugging Face `datasets` directory (save_to_disk) one
+per row (the text column --text_key, or an already tokenized `input_ids` column taken as is; needs pyarrow: the
+`data` extra); any other file is one UTF-8 document. Every --eval_every_nth_doc-th document goes to the eval split
+(0: none). --workers N encodes in N processes with the same output as one. A progress line (documents, tokens,
+MB/s) goes to stderr. Exit codes: 0 done, 2 bad input (one line on stderr; nothing is written, an existing output
+is never touched, an interrupted run leaves nothing behind).
 """
 
 from __future__ import annotations
@@ -17,64 +20,34 @@ import json
 import sys
 from pathlib import Path
 
-from moejax.data.shards import DataError, open_token_dir, write_token_dir
+from moejax.data.documents import documents, input_files
+from moejax.data.encode import encode_documents
+from moejax.data.progress import Progress
+from moejax.data.shards import DataError, open_token_dir, write_token_dir_stream
 from moejax.data.tokenizer import TokenizerError, load_tokenizer
 
 PROG = "moejax-data"
 
 
-def _input_files(inputs: list[str]) -> list[Path]:
-    files = []
-    for item in map(Path, inputs):
-        if item.is_dir():
-            files += sorted(p for p in item.rglob("*") if p.is_file())
-        elif item.is_file():
-            files.append(item)
-        else:
-            raise DataError(f"input {item} does not exist")
-    if not files:
-        raise DataError(f"no input files under {', '.join(inputs)}")
-    return files
-
-
-def _texts(files: list[Path], jsonl_key: str):
-    """Every document's text, in input order."""
-    for path in files:
-        raw = path.read_bytes()
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise DataError(f"{path}: not UTF-8 text (byte {e.start})") from None
-        if path.suffix != ".jsonl":
-            if text:
-                yield text
-            continue
-        for line_no, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{line_no}: not valid JSON ({e.msg})") from None
-            value = record.get(jsonl_key) if isinstance(record, dict) else None
-            if not isinstance(value, str):
-                raise DataError(f"{path}:{line_no}: no string field {jsonl_key!r}")
-            if value:
-                yield value
-
-
 def tokenize(args) -> dict:
     tokenizer = load_tokenizer(args.tokenizer, args.bos, args.eos)
-    files = _input_files(args.inputs)
-    encoded = (tokenizer.encode_document(t) for t in _texts(files, args.jsonl_key))
-    train, held_out = [], []
-    for i, ids in enumerate(encoded):
-        (held_out if args.eval_every_nth_doc and i % args.eval_every_nth_doc == args.eval_every_nth_doc - 1
-         else train).append(ids)
-    if not train:
-        raise DataError("every document went to the eval split; raise --eval_every_nth_doc or add input")
-    return write_token_dir(Path(args.output), {"train": train, "eval": held_out}, tokenizer,
-                           shard_tokens=args.shard_tokens, sources=[str(f) for f in files])
+    files = input_files(args.inputs)
+    progress = Progress("tokenize") if args.progress else None
+    encoded = encode_documents(documents(files, args.text_key), tokenizer, (args.tokenizer, args.bos, args.eos),
+                               workers=args.workers, progress=progress)
+    nth = args.eval_every_nth_doc
+
+    def split_of_each():
+        for i, ids in enumerate(encoded):
+            yield ("eval" if nth and i % nth == nth - 1 else "train"), ids
+
+    index = write_token_dir_stream(Path(args.output), split_of_each(), ("train", "eval"), tokenizer,
+                                   shard_tokens=args.shard_tokens, sources=[str(f) for f in files],
+                                   required=("train", "every document went to the eval split; raise "
+                                                      "--eval_every_nth_doc or add input"))
+    if progress is not None:
+        progress.finish()
+    return index
 
 
 def summary(index: dict) -> dict:
@@ -109,7 +82,11 @@ def main(argv=None) -> int:
     t.add_argument("--tokenizer", default="byte", help="'byte' (built in) or a Hugging Face tokenizer.json")
     t.add_argument("--bos", default=None, help="beginning-of-document token (default: the tokenizer's, if any)")
     t.add_argument("--eos", default=None, help="end-of-document token (default: the tokenizer's)")
-    t.add_argument("--jsonl_key", default="text", help="the text field of .jsonl records")
+    t.add_argument("--text_key", "--jsonl_key", dest="text_key", default="text",
+                   help="the text field of .jsonl records and the text column of parquet / arrow data")
+    t.add_argument("--workers", type=int, default=1, help="processes that encode text (same output for any count)")
+    t.add_argument("--no_progress", dest="progress", action="store_false",
+                   help="no progress line on stderr (documents, tokens, MB/s)")
     t.add_argument("--shard_tokens", type=int, default=50_000_000, help="start a new shard past this many tokens")
     t.add_argument("--eval_every_nth_doc", type=int, default=20, help="hold out every nth document (0: none)")
     t.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -120,8 +97,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "tokenize":
-            if args.shard_tokens <= 0 or args.eval_every_nth_doc < 0:
-                raise DataError("--shard_tokens must be positive and --eval_every_nth_doc >= 0")
+            if args.shard_tokens <= 0 or args.eval_every_nth_doc < 0 or args.workers < 1:
+                raise DataError("--shard_tokens and --workers must be positive and --eval_every_nth_doc >= 0")
             index = tokenize(args)
             _print_summary(args.output, index, args.json)
         else:

@@ -31,6 +31,9 @@ REMAT_POLICIES = ("none", "full", "dots", "attention", "moe")
 OPTIMIZER_STATE_SHARDINGS = ("params", "data")
 ATTENTION_KINDS = ("gqa", "mla")  # gqa covers MHA (n_kv_heads == n_heads); mla is DeepSeek's latent attention
 ROPE_SCALINGS = ("none", "yarn")
+# Weights & Biases (docs/observability.md): disabled (wandb is never imported), online (live in the W&B app),
+# offline (written under the run's directory; `wandb sync` uploads it later).
+WANDB_MODES = ("disabled", "online", "offline")
 
 
 class ConfigError(InputError, ValueError):
@@ -197,6 +200,19 @@ def default_config() -> ml_collections.ConfigDict:
 
     c.hardware = h = ml_collections.ConfigDict()
     h.peak_tflops = 0.0  # per device; 0: look up the GPU, or measure on CPU
+
+    # Where a run's metrics go besides metrics.jsonl, TensorBoard and the console.
+    c.observability = ob = ml_collections.ConfigDict()
+    # Weights & Biases: process 0 logs every metrics.jsonl record (scalars, expert-load heatmaps as images) to one
+    # W&B run, whose id WORKDIR/wandb_run_id keeps so that a resumed run continues it. Needs the `wandb` extra.
+    ob.wandb = w = ml_collections.ConfigDict()
+    w.mode = "disabled"
+    w.project = "moejax"
+    w.entity = ""  # user or team; "": the logged-in user's default entity
+    w.name = ""  # the run's display name; "": the workdir's name
+    w.group = ""  # groups runs in the W&B app; "": none
+    w.tags = ""  # comma-separated, e.g. "tiny,dropless"
+    w.dir = ""  # wandb writes DIR/wandb/[offline-]run-*; "": $WANDB_DIR if set, else WORKDIR
     return c
 
 

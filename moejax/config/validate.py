@@ -17,7 +17,7 @@ from moejax.config.layers import check_pipeline_layers, layer_plan, pipeline_in_
 from moejax.config.ranges import check_choice, check_ranges
 from moejax.config.schema import (ATTENTION_KERNELS, ATTENTION_KINDS, DISPATCH_MODES, DROP_POLICIES, DTYPES,
                                   EXPERT_GEMM_KERNELS, FP8_FORMATS, LOSS_KERNELS, MESH_AXES, OPTIMIZER_STATE_SHARDINGS,
-                                  REMAT_POLICIES, ROPE_SCALINGS, SCORE_FUNCS, ConfigError)
+                                  REMAT_POLICIES, ROPE_SCALINGS, SCORE_FUNCS, WANDB_MODES, ConfigError)
 
 
 def resolve_mesh_shape(mesh_cfg, n_devices: int) -> dict[str, int]:
@@ -132,7 +132,17 @@ def validate(cfg, n_devices: int) -> dict[str, int]:
     except ValueError:
         raise ConfigError(f"guards.inject_nan_steps={cfg.guards.inject_nan_steps!r} is not a comma-separated list "
                           "of steps") from None
+    _validate_wandb(cfg)
     return sizes
+
+
+def _validate_wandb(cfg):
+    """observability.wandb's mode; whether wandb is installed is a fact of the environment, checked by the entry
+    points (moejax.training.wandb_logger.check_wandb_installed). A config saved before the group existed (an
+    older checkpoint loaded for inference) has none: nothing to check."""
+    wandb = cfg.get("observability", {}).get("wandb")
+    if wandb is not None:
+        check_choice("observability.wandb.mode", wandb.mode, WANDB_MODES)
 
 
 def _validate_pipeline(cfg, sizes: dict[str, int], n_moe_layers: int):

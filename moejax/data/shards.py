@@ -89,8 +89,18 @@ class ShardWriter:
 
 def write_token_dir(output: Path, documents_by_split: dict, tokenizer, *, shard_tokens: int,
                     sources: list[str]) -> dict:
-    """Writes every split's documents (iterables of id arrays) into `output`, atomically: into a temporary
-    sibling first, renamed only when complete, so an interrupted run leaves no half-written directory."""
+    """Writes every split's documents (iterables of id arrays) into `output`, atomically (write_token_dir_stream)."""
+    pairs = ((split, ids) for split, documents in documents_by_split.items() for ids in documents)
+    return write_token_dir_stream(output, pairs, tuple(documents_by_split), tokenizer, shard_tokens=shard_tokens,
+                                  sources=sources)
+
+
+def write_token_dir_stream(output: Path, split_and_ids, splits: tuple[str, ...], tokenizer, *, shard_tokens: int,
+                           sources: list[str], required: tuple[str, str] | None = None) -> dict:
+    """Writes (split, id array) pairs, in one pass, into `output`'s splits, atomically: into a temporary sibling
+    first, renamed only when complete, so an interrupted run (an error, Ctrl-C, a kill) leaves no half-written
+    directory. `required`: (a split that must receive a document, the DataError's message when none did; nothing is
+    left then either)."""
     output = Path(output)
     if output.exists():
         raise DataError(f"output {output} already exists; choose a new directory (nothing was changed)")
@@ -98,15 +108,15 @@ def write_token_dir(output: Path, documents_by_split: dict, tokenizer, *, shard_
     tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
     tmp.mkdir(parents=True)
     try:
-        splits = {}
-        for split, documents in documents_by_split.items():
-            writer = ShardWriter(tmp, split, dtype, shard_tokens)
-            for ids in documents:
-                writer.add(ids)
-            splits[split] = writer.close()
+        writers = {split: ShardWriter(tmp, split, dtype, shard_tokens) for split in splits}
+        for split, ids in split_and_ids:
+            writers[split].add(ids)
+        written = {split: writer.close() for split, writer in writers.items()}
+        if required is not None and not written[required[0]]:
+            raise DataError(required[1])
         index = {"format": FORMAT, "tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size,
                  "bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id, "dtype": np.dtype(dtype).name,
-                 "sources": sources, "splits": splits}
+                 "sources": sources, "splits": written}
         (tmp / "index.json").write_text(json.dumps(index, indent=1) + "\n")
         tmp.rename(output)
     except BaseException:

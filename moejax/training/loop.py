@@ -39,6 +39,7 @@ from moejax.training.nonfinite_guard import NonFiniteGuard, NonFiniteLoss
 from moejax.training.preemption import SaveSchedule, StopSignals
 from moejax.training.profile_window import ProfileWindow
 from moejax.training.step_timer import StepTimer
+from moejax.training.wandb_logger import open_wandb_logger
 from moejax.training.watchdog import Watchdog
 
 __all__ = ["NonFiniteLoss", "Stopped", "train", "write_config"]
@@ -93,6 +94,8 @@ def train(cfg, workdir: Path, mesh_sizes: dict[str, int], sources=None) -> dict:
         print(_banner(cfg, mesh, fpt, peak, peak_source, compile_s, start), flush=True)
 
     writer = M.MetricsWriter(workdir, enabled=is_main)
+    wandb_logger = open_wandb_logger(cfg.observability.wandb, workdir, json.loads(config_json), start_step=start,
+                                     process_index=jax.process_index())
     data_iter = BatchIterator(batches, next_batch)
     signals = StopSignals()
     schedule = SaveSchedule(cfg.checkpoint, t.steps, signals, process_count=jax.process_count())
@@ -131,10 +134,14 @@ def train(cfg, workdir: Path, mesh_sizes: dict[str, int], sources=None) -> dict:
         if is_main:
             print(M.console_line(record, t.steps, can_drop=can_drop), flush=True)
         writer.write(record)
+        if wandb_logger is not None:
+            with timer.excluding():  # not training-step time: the expert-load image is drawn on the host
+                wandb_logger.log(record)
         return record
 
     profiler = ProfileWindow(cfg.profile, workdir / "profile", quiesce=checkpointer.wait)
     last, pending = {}, None
+    completed = False  # W&B marks a run that ends otherwise failed
     watchdog.start()
     try:
         with signals:
@@ -170,10 +177,13 @@ def train(cfg, workdir: Path, mesh_sizes: dict[str, int], sources=None) -> dict:
                     raise Stopped(signals.received, done)
             if pending is not None:
                 finish(*pending)
+        completed = True
     finally:
         # Every part closes even when one before it raises: the profiler's stop waits for a save in flight
-        # and raises that save's error; the checkpointer and the metrics writer must still close.
+        # and raises that save's error; the checkpointer and the metrics writers must still close.
         with contextlib.ExitStack() as teardown:  # callbacks run last-registered first
+            if wandb_logger is not None:
+                teardown.callback(wandb_logger.close, failed=not completed)
             for close in (writer.close, checkpointer.close, profiler.stop, watchdog.stop):
                 teardown.callback(close)
     return last

@@ -2,7 +2,7 @@
 
 The loop reads metrics only at the end of a window (the last step's completion), so per-step wall times
 are not observable without stalling the device; a window's average is. Host work that is not a training
-step (eval, checkpoint saves, starting or stopping the profiler) happens inside the window and is
+step (eval, checkpoint saves, starting or stopping the profiler, W&B logging) happens inside the window and is
 excluded, so it does not show up as a slower step or a lower MFU.
 """
 
