@@ -66,7 +66,7 @@ MAY_CHANGE: dict[str, tuple[frozenset[Continuation], str]] = {
 
 # Checked on RESUME only: the rows each step reads.
 DATA_ORDER = ("seed", "train.global_batch", "train.seq_len", "data.corpus", "data.max_bytes",
-              "data.eval_every_nth_file")
+              "data.eval_every_nth_file", "data.eval_every_nth_doc")
 
 
 def flatten(config: dict, prefix: str = "") -> dict:

@@ -142,6 +142,9 @@ RANGES: dict[str, Rule] = {
     "data.max_bytes": COUNT,
     # file i is held out when i % n == 0: n = 1 would hold out every file and leave nothing to train on
     "data.eval_every_nth_file": integer(2, note="every nth file is held out"),
+    # n = 1 would hold out every document, as for the stdlib's files; 0 holds out none
+    "data.eval_every_nth_doc": Rule("0 (none) or an integer >= 2 (every nth document is held out)",
+                                    lambda v: v == 0 or v >= 2, integer=True),
     "guards.max_bad_steps": COUNT,
     "guards.step_timeout_s": number(0, note="0: off"),
     "profile.start_step": integer(note="< 0: off"),

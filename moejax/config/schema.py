@@ -181,11 +181,13 @@ def default_config() -> ml_collections.ConfigDict:
     ck.init_from = ""  # a weights directory (moejax-convert import) to start step 0 from; "": random init
 
     c.data = d = ml_collections.ConfigDict()
-    # 'stdlib': the Python standard library's own sources, found at run time; or 'DIR[:WEIGHT],...':
-    # token directories written by `moejax-data tokenize`, mixed in proportion to their weights.
+    # 'stdlib': the Python standard library's own sources, found at run time; or 'PATH[:WEIGHT],...' (or Megatron's
+    # 'WEIGHT PATH WEIGHT PATH ...'): token directories written by `moejax-data tokenize` and Megatron indexed
+    # datasets (PATH.bin + PATH.idx), mixed in proportion to their weights.
     d.corpus = "stdlib"
     d.max_bytes = 16_000_000  # stdlib only
     d.eval_every_nth_file = 20  # stdlib only
+    d.eval_every_nth_doc = 20  # Megatron datasets only: document i is held out when i % n == n - 1; 0: none
     d.verify_checksums = True  # CRC32 of every token file at start (one read of the data)
 
     c.guards = g = ml_collections.ConfigDict()

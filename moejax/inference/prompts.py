@@ -7,8 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moejax.data.shards import read_index
-from moejax.data.sources import open_sources, parse_corpus
+from moejax.data.sources import open_sources, parse_corpus, recorded_tokenizer
 from moejax.data.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
 
@@ -19,8 +18,7 @@ def tokenizer_for(cfg, model_dir: Path | None = None, spec: str | None = None) -
     if spec is None and model_dir is not None and (Path(model_dir) / "tokenizer.json").is_file():
         spec = str(Path(model_dir) / "tokenizer.json")
     if spec is None:
-        names = {("byte" if path == "stdlib" else str(read_index(Path(path)).get("tokenizer", ""))) for path, _ in
-                 _corpus_or_empty(cfg)}
+        names = {recorded_tokenizer(path) for path, _ in _corpus_or_empty(cfg)}  # '' for a Megatron dataset
         if len(names) != 1 or not (names == {"byte"} or Path(next(iter(names))).is_file()):
             raise TokenizerError("cannot tell which tokenizer this model was trained with; name one with --tokenizer "
                                  "(byte or a tokenizer.json)")
