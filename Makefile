@@ -30,9 +30,10 @@ $(VENV)/.installed: pyproject.toml
 
 # torch is the reference implementation of the transformers comparisons; PyPI's torch for Linux is a CUDA build
 # (about 3 GB of wheels with its NVIDIA libraries; it runs on the CPU).
-# lm-eval (the eval extra): tests/test_lm_eval.py runs the harness end to end; pyarrow (data): parquet and arrow input.
+# lm-eval (the eval extra): tests/test_lm_eval.py runs the harness end to end; pyarrow (data): parquet and arrow input;
+# megatron-core (megatron): the reference writer of Megatron indexed datasets.
 $(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
-	$(VENV)/bin/python -m pip install -q -e '.[test,hf,eval,data]'
+	$(VENV)/bin/python -m pip install -q -e '.[test,hf,eval,data,megatron]'
 	touch $@
 
 # The gpu extra (jax's CUDA plugin and tokamax: about 3.5 GB of wheels; no GPU or driver needed) for the
