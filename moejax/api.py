@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,7 +119,7 @@ def prepare_training(cfg, workdir, *, coordinator: str | None = None, num_proces
 
     from moejax.data.sources import open_sources
     from moejax.training import distributed
-    from moejax.training.checkpoint import check_resumable
+    from moejax.training.resume_point import check_resumable, set_aside_passed_over
 
     # A laptop just works: when jax has not started and no device count is set, ask for the config's mesh in
     # CPU devices. The flag only shapes the CPU backend, so on a GPU or TPU machine it changes nothing.
@@ -146,7 +147,7 @@ def prepare_training(cfg, workdir, *, coordinator: str | None = None, num_proces
     config_json = cfg.to_json_best_effort(sort_keys=True)
     distributed.check_processes_agree(config_json, init_timeout)
     sources = open_sources(cfg.data, vocab_size=cfg.model.vocab_size)
-    check_resumable(workdir, config_json)
+    resume = check_resumable(workdir, config_json, cfg.checkpoint.on_bad_checkpoint)
     if jax.process_count() > 1:
         # Every process has inspected WORKDIR/checkpoints before any creates it: otherwise a late process finds
         # the directory process 0 just made and enters orbax's barriers of a read-only manager while process 0
@@ -155,7 +156,11 @@ def prepare_training(cfg, workdir, *, coordinator: str | None = None, num_proces
 
         multihost_utils.sync_global_devices("moejax: workdir inspected")
     if jax.process_index() == 0:
+        for line in set_aside_passed_over(workdir, resume):  # damaged newer checkpoints moved out of orbax's way
+            print(f"warning: {line}", file=sys.stderr, flush=True)
         workdir.mkdir(parents=True, exist_ok=True)  # config.json is written once the checkpoint restored
+    if resume is not None and resume.passed_over and jax.process_count() > 1:
+        multihost_utils.sync_global_devices("moejax: damaged checkpoints set aside")  # before any opens its manager
     on_gpu = devices_platform(jax.devices()) == "gpu"
     return PreparedRun(cfg, workdir, mesh_sizes, sources, emulated, kernels,
                        describe_xla_flags(overlap_flags) if on_gpu and overlap_flags else "")

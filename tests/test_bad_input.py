@@ -1,7 +1,7 @@
 """The README's bad-input table, row by row: `moejax-train` on bad data or settings exits 2 with one line on
 stderr, before anything compiles, and leaves the workdir as it was. (Mesh, divisibility, dtype and sequence
-length rows are in test_cli.py; incompatible workdirs and truncated checkpoints in test_resume.py; NaN
-batches in test_guards.py.)"""
+length rows are in test_cli.py; incompatible workdirs in test_resume.py, damaged checkpoints in
+test_checkpoint_integrity.py; NaN batches in test_guards.py.)"""
 
 import json
 import os

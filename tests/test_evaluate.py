@@ -237,12 +237,15 @@ def no_checkpoint(run, tmp):
     return [str(tmp / "started")]
 
 
-def corrupt_checkpoint(run, tmp):
-    """The run's checkpoint with its largest array file cut in half."""
+def corrupt_checkpoint(run, tmp, manifest=True):
+    """The run's checkpoint with its largest array file cut in half (its integrity manifest finds it; without one,
+    as saved before moejax wrote them, orbax's restore does)."""
     copy = tmp / str(STEPS)
     shutil.copytree(run / "checkpoints" / str(STEPS), copy)
     biggest = max((copy / "state" / "d").iterdir(), key=lambda f: f.stat().st_size)
     biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 2])
+    if not manifest:
+        (copy / "integrity.json").unlink()
     return [str(copy)]
 
 
@@ -256,7 +259,9 @@ BAD = [
     ("missing path", lambda run, tmp: [str(tmp / "nowhere")], "nowhere does not exist"),
     ("not a model", not_a_model, "is not a training run (WORKDIR with checkpoints/), a checkpoint"),
     ("run without checkpoints", no_checkpoint, "holds no complete checkpoint"),
-    ("corrupt checkpoint", corrupt_checkpoint, "does not restore ("),
+    ("corrupt checkpoint", corrupt_checkpoint, "is incomplete or corrupt (state/d/"),
+    ("corrupt checkpoint without a manifest", lambda run, tmp: corrupt_checkpoint(run, tmp, manifest=False),
+     "does not restore ("),
     ("missing data", lambda run, tmp: [str(run), "--data", str(tmp / "nodata")], "nodata does not exist"),
     ("empty data directory", empty_data, "empty has no index.json"),
     ("data without a held-out split", lambda run, tmp: [str(run), "--data", str(byte_dir(tmp))],

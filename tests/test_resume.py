@@ -146,10 +146,11 @@ def test_incompatible_workdir_and_broken_checkpoint_exit_2_untouched(straight, t
         assert message in lines[0], lines[0]
         assert tree_digest(workdir) == before
 
-    # A truncated checkpoint: the latest step lost its array data.
+    # A truncated checkpoint: the latest step lost its array data (refused as asked; falling back, the default, is
+    # tests/test_checkpoint_integrity.py's).
     shutil.rmtree(workdir / "checkpoints" / "30" / "state" / "d")
     before = tree_digest(workdir)
-    proc = run(workdir, f"--config.train.steps={STEPS + 5}")
+    proc = run(workdir, f"--config.train.steps={STEPS + 5}", "--config.checkpoint.on_bad_checkpoint=refuse")
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
     assert "checkpoints/30 is incomplete or corrupt" in lines[0] and "resume from step 20" in lines[0], lines[0]

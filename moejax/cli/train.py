@@ -1,11 +1,12 @@
 """`moejax-train --config configs/tiny.py [--config.a.b=v ...] --workdir DIR` (also `python -m moejax.train`).
 
 Exit codes: 0 done; 2 bad configuration or input, including processes of one job that disagree, bad data
-and a WORKDIR holding an incompatible run or a broken checkpoint (one line on stderr, nothing in DIR
-overwritten); 3 too many consecutive non-finite steps; 4 could not join the multi-process job; 5 the
-watchdog saw no step finish within guards.step_timeout_s; 130/143 stopped by SIGINT/SIGTERM after saving a
-checkpoint; anything else is a crash (a native one, e.g. SIGSEGV in a library, first writes every thread's
-Python stack to stderr).
+and a WORKDIR holding an incompatible run or no checkpoint that passes its integrity check (one line on
+stderr, nothing in DIR overwritten; a damaged newest checkpoint alone is passed over, or refused with
+checkpoint.on_bad_checkpoint=refuse); 3 too many consecutive non-finite steps; 4 could not join the
+multi-process job; 5 the watchdog saw no step finish within guards.step_timeout_s; 130/143 stopped by
+SIGINT/SIGTERM after saving a checkpoint; anything else is a crash (a native one, e.g. SIGSEGV in a library,
+first writes every thread's Python stack to stderr).
 
 Multi-process jobs: pass --coordinator HOST:PORT --num_processes N --process_id I, or set
 JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID, or run under SLURM/Open MPI (detected).

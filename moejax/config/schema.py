@@ -29,6 +29,7 @@ REMAT_POLICIES = ("none", "full", "dots", "attention", "moe")
 # Where the Adam moments live (docs/memory.md): like the parameters, or also split over `data` (a distributed
 # optimizer: ZeRO-1, Megatron-Core's distributed optimizer).
 OPTIMIZER_STATE_SHARDINGS = ("params", "data")
+ON_BAD_CHECKPOINT = ("fall_back", "refuse")  # moejax/training/resume_point.py
 ATTENTION_KINDS = ("gqa", "mla")  # gqa covers MHA (n_kv_heads == n_heads); mla is DeepSeek's latent attention
 ROPE_SCALINGS = ("none", "yarn")
 # Weights & Biases (docs/observability.md): disabled (wandb is never imported), online (live in the W&B app),
@@ -179,6 +180,9 @@ def default_config() -> ml_collections.ConfigDict:
     ck.keep = 2  # the latest K checkpoints are kept...
     ck.keep_every_steps = 0  # ...plus, permanently, every one whose step is a multiple of this; 0: none
     ck.init_from = ""  # a weights directory (moejax-convert import) to start step 0 from; "": random init
+    # a resume whose newest checkpoint fails its integrity check or does not read back: 'fall_back' to the newest
+    # older one that passes (one line on stderr; the bad one moved to WORKDIR/bad_checkpoints/) | 'refuse' (exit 2)
+    ck.on_bad_checkpoint = "fall_back"
 
     c.data = d = ml_collections.ConfigDict()
     # 'stdlib': the Python standard library's own sources, found at run time; or 'PATH[:WEIGHT],...' (or Megatron's

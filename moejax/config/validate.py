@@ -16,8 +16,9 @@ import math
 from moejax.config.layers import check_pipeline_layers, layer_plan, pipeline_in_flight
 from moejax.config.ranges import check_choice, check_ranges
 from moejax.config.schema import (ATTENTION_KERNELS, ATTENTION_KINDS, DISPATCH_MODES, DROP_POLICIES, DTYPES,
-                                  EXPERT_GEMM_KERNELS, FP8_FORMATS, LOSS_KERNELS, MESH_AXES, OPTIMIZER_STATE_SHARDINGS,
-                                  REMAT_POLICIES, ROPE_SCALINGS, SCORE_FUNCS, WANDB_MODES, ConfigError)
+                                  EXPERT_GEMM_KERNELS, FP8_FORMATS, LOSS_KERNELS, MESH_AXES, ON_BAD_CHECKPOINT,
+                                  OPTIMIZER_STATE_SHARDINGS, REMAT_POLICIES, ROPE_SCALINGS, SCORE_FUNCS, WANDB_MODES,
+                                  ConfigError)
 
 
 def resolve_mesh_shape(mesh_cfg, n_devices: int) -> dict[str, int]:
@@ -75,6 +76,8 @@ def validate(cfg, n_devices: int) -> dict[str, int]:
         check_choice(f"model.{name}", m[name], DTYPES)
     check_choice("model.remat", m.remat, REMAT_POLICIES)
     check_choice("optim.state_sharding", cfg.optim.get("state_sharding", "params"), OPTIMIZER_STATE_SHARDINGS)
+    check_choice("checkpoint.on_bad_checkpoint", cfg.checkpoint.get("on_bad_checkpoint", "fall_back"),
+                 ON_BAD_CHECKPOINT)
     check_choice("model.attention", m.attention, ATTENTION_KINDS)
     check_choice("model.rope_scaling", m.rope_scaling, ROPE_SCALINGS)
     _validate_attention(m)

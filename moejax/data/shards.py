@@ -36,7 +36,8 @@ class TokenShard:
     doc_starts: np.ndarray  # [n_docs] int64, ascending, doc_starts[0] == 0
 
 
-def _crc32(path: Path, chunk: int = 1 << 24) -> int:
+def crc32_file(path: Path, chunk: int = 1 << 24) -> int:
+    """The file's zlib CRC32, read in 16 MiB blocks (token files; checkpoints' integrity manifests)."""
     crc = 0
     with open(path, "rb") as f:
         while block := f.read(chunk):
@@ -76,7 +77,7 @@ class ShardWriter:
         bin_path = self.directory / f"{self._name}.bin"
         self.shards.append({"tokens": bin_path.name, "docs": docs_path.name, "n_tokens": self._n_tokens,
                             "n_docs": len(self._docs), "max_id": self._max_id,
-                            "crc32_tokens": _crc32(bin_path), "crc32_docs": _crc32(docs_path)})
+                            "crc32_tokens": crc32_file(bin_path), "crc32_docs": crc32_file(docs_path)})
 
     def close(self) -> list[dict]:
         if self._n_tokens:
@@ -180,7 +181,7 @@ def open_token_dir(path: Path, *, verify_checksums: bool = True) -> TokenDir:
                                 f"bytes, the index says {8 * s['n_docs']}")
             if verify_checksums:
                 for f, key in ((bin_path, "crc32_tokens"), (docs_path, "crc32_docs")):
-                    if _crc32(f) != s[key]:
+                    if crc32_file(f) != s[key]:
                         raise DataError(f"token file {f} is corrupt: its CRC32 does not match {path / 'index.json'}")
             tokens = np.memmap(bin_path, dtype=dtype, mode="r") if s["n_tokens"] else np.zeros(0, dtype)
             doc_starts = np.fromfile(docs_path, dtype="<u8").astype(np.int64)

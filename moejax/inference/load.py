@@ -10,6 +10,7 @@ is stored in chunk slots is moved into the plain layer order (program/state.py's
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from jax.sharding import Mesh
 
 from moejax.config import MESH_AXES, ConfigError, validate
 from moejax.errors import InputError
-from moejax.inference.saved_model import SavedModel, checkpoint_of, find_saved_model, inference_config
+from moejax.inference.saved_model import SavedModel, find_saved_model, inference_config
 from moejax.interop.hf_checkpoint import load_hf_state
 from moejax.interop.safetensors_io import CheckpointFormatError
 from moejax.interop.weights_dir import load_weights
@@ -31,7 +32,7 @@ from moejax.parallel.cpu_devices import has_device_count_flag, mesh_device_count
 from moejax.parallel.mesh import mesh_from_config
 from moejax.program.state import create_model, restack, restore_shardings, stacked_like, state_shardings
 from moejax.training import distributed
-from moejax.training.checkpoint import inspect_workdir, stderr_held_while_restoring
+from moejax.training.checkpoint import stderr_held_while_restoring
 
 
 @dataclass(frozen=True)
@@ -47,12 +48,9 @@ def load_model(path, *, overrides: dict | None = None, mesh: Mesh | None = None)
     """The model `path` names (a run's WORKDIR, WORKDIR/checkpoints/STEP, a weights directory or an HF directory;
     saved_model.py), on `mesh` (default: the config's mesh axes over all of jax.devices()). overrides: config
     fields, as for moejax.load_config. Raises InputError (one line) for a path that names no model, an override
-    the weights do not allow, a mesh the config does not fit, or a checkpoint that does not restore."""
+    the weights do not allow, a mesh the config does not fit, or a checkpoint that fails its integrity check or does
+    not restore."""
     saved = path if isinstance(path, SavedModel) else find_saved_model(path)
-    if saved.workdir is not None:  # the run's newest checkpoint, as a resume picks it (orbax's latest step)
-        found = inspect_workdir(saved.workdir)
-        if found is not None and found[0] != saved.step:
-            saved = checkpoint_of(saved.workdir / "checkpoints" / str(found[0]), workdir=saved.workdir)
     cfg = inference_config(saved, overrides)
     devices = list(mesh.devices.flat) if mesh is not None else jax.devices()
     _apply_kernels_here(cfg, devices)
@@ -65,6 +63,9 @@ def load_model(path, *, overrides: dict | None = None, mesh: Mesh | None = None)
     sizes = validate(cfg, len(devices))
     mesh = mesh if mesh is not None else mesh_from_config(cfg, sizes)
     model = _restored_model(saved, cfg, mesh)
+    # newer checkpoints passed over, or no manifest; said once it loaded: a failure is one line of its own
+    for line in saved.warnings if jax.process_index() == 0 else ():
+        print(f"warning: {line}", file=sys.stderr, flush=True)
     return LoadedModel(model, cfg, mesh, saved.source, saved.step)
 
 

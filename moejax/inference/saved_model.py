@@ -2,9 +2,10 @@
 (no orbax, no device: jax has not started, so the emulated CPU device count can still follow the config's mesh).
 
 A path is one of:
-- a run's WORKDIR (WORKDIR/checkpoints/): its newest complete checkpoint (load.py confirms the step with orbax, as a
-  resume picks it);
-- one checkpoint of a run, WORKDIR/checkpoints/STEP (orbax items state/, meta/, config/);
+- a run's WORKDIR (WORKDIR/checkpoints/): its newest checkpoint that passes its integrity check (as a resume picks
+  it: moejax/training/checkpoint_integrity.py); the newer ones passed over are named in `warnings`;
+- one checkpoint of a run, WORKDIR/checkpoints/STEP (orbax items state/, meta/, config/), refused if it fails the
+  check;
 - a moejax weights directory (config.json + weights/: `moejax-convert import` writes one);
 - a Hugging Face directory (config.json + *.safetensors; deepseek_v3, mixtral or qwen3_moe).
 """
@@ -24,6 +25,7 @@ from moejax.interop.hf_config import from_hf_config
 from moejax.interop.safetensors_io import SafetensorsDir
 from moejax.interop.weights_dir import WEIGHTS, is_training_checkpoint, read_config
 from moejax.program.weights import weights_mismatch
+from moejax.training.checkpoint_integrity import verify
 
 KINDS = ("checkpoint", "weights", "hf")
 
@@ -39,6 +41,7 @@ class SavedModel:
     saved_cfg: ml_collections.ConfigDict  # the config the model was saved with (an HF directory's: translated)
     step: int | None = None  # a checkpoint's training step
     workdir: Path | None = None  # a checkpoint's run, when the path named the run itself
+    warnings: tuple[str, ...] = ()  # for stderr when it is loaded: newer checkpoints passed over, or no manifest
 
     @property
     def source(self) -> str:
@@ -49,16 +52,44 @@ class SavedModel:
 
 
 def checkpoint_steps(workdir: Path) -> list[int]:
-    """The steps of WORKDIR's complete checkpoints, oldest first. orbax writes a step under a temporary name and
-    renames it to the bare step number when every item of every process is written."""
+    """The steps of WORKDIR's checkpoints, oldest first, whether or not they pass their integrity check. orbax writes
+    a step under a temporary name and renames it to the bare step number when every item of every process is
+    written."""
     directory = Path(workdir) / "checkpoints"
     if not directory.is_dir():
         return []
-    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and is_training_checkpoint(p))
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir())
 
 
-def checkpoint_of(directory: Path, workdir: Path | None = None) -> SavedModel:
-    return SavedModel("checkpoint", directory, read_config(directory), int(directory.name), workdir)
+def checkpoint_of(directory: Path, workdir: Path | None = None, warnings: tuple[str, ...] = ()) -> SavedModel:
+    return SavedModel("checkpoint", directory, read_config(directory), int(directory.name), workdir, warnings)
+
+
+def _verified_checkpoint(directory: Path) -> SavedModel:
+    verdict = verify(directory)
+    if not verdict.ok:
+        raise ModelPathError(f"checkpoint {directory} is incomplete or corrupt ({verdict.problem})")
+    return checkpoint_of(directory, warnings=() if verdict.verified else (_unverified(directory),))
+
+
+def _newest_passing(workdir: Path) -> SavedModel:
+    """WORKDIR's newest checkpoint that passes its integrity check, with a warning for each newer one that fails."""
+    directory, failed = workdir / "checkpoints", []
+    for step in reversed(checkpoint_steps(workdir)):
+        verdict = verify(directory / str(step))
+        if verdict.ok:
+            warnings = tuple(f"checkpoint {directory / str(s)} is incomplete or corrupt ({why}); loading step {step}"
+                             for s, why in failed) + (() if verdict.verified else (_unverified(directory / str(step)),))
+            return checkpoint_of(directory / str(step), workdir=workdir, warnings=warnings)
+        failed.append((step, verdict.problem))
+    if not failed:
+        raise ModelPathError(f"{workdir} holds no complete checkpoint in {directory}")
+    raise ModelPathError(f"no checkpoint in {directory} passes its integrity check: "
+                         + "; ".join(f"{s} ({why})" for s, why in failed))
+
+
+def _unverified(step_dir: Path) -> str:
+    return f"checkpoint {step_dir} has no integrity manifest (saved before moejax wrote them): loading it unverified"
 
 
 def find_saved_model(path) -> SavedModel:
@@ -69,12 +100,9 @@ def find_saved_model(path) -> SavedModel:
     if is_training_checkpoint(path):
         if not path.name.isdigit():
             raise ModelPathError(f"{path} looks like a checkpoint but is not named by its step (WORKDIR/checkpoints/STEP)")
-        return checkpoint_of(path)
+        return _verified_checkpoint(path)
     if (path / "checkpoints").is_dir():
-        steps = checkpoint_steps(path)
-        if not steps:
-            raise ModelPathError(f"{path} holds no complete checkpoint in {path / 'checkpoints'}")
-        return checkpoint_of(path / "checkpoints" / str(steps[-1]), workdir=path)
+        return _newest_passing(path)
     if (path / "config.json").is_file() and (path / WEIGHTS).is_dir():
         return SavedModel("weights", path, read_config(path))
     if (path / "config.json").is_file() and any(path.glob("*.safetensors")):

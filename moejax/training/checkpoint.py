@@ -10,8 +10,10 @@ The run has no stateful RNG to save: initialisation is a function of `seed`, the
 (`seed`, step), and nothing in the step draws random numbers.
 
 orbax writes a step into a temporary directory and renames it when every item and every process is done,
-so an interrupted save is never listed and a resume never picks it. Retention: the latest `keep`, plus
-every step that is a multiple of `keep_every_steps` (never deleted).
+so an interrupted save is never listed and a resume never picks it. Just before that rename, process 0 writes
+the step's integrity manifest (every file's size and CRC32: checkpoint_integrity.py); which step a resume
+restores is resume_point.py's choice. Retention: the latest `keep`, plus every step that is a multiple of
+`keep_every_steps` (never deleted).
 """
 
 from __future__ import annotations
@@ -19,15 +21,14 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import logging
 import sys
 from pathlib import Path
 
 import jax
 import orbax.checkpoint as ocp
 
-from moejax.config.changes import Continuation, changed_fields
 from moejax.errors import InputError
+from moejax.training.checkpoint_integrity import step_being_saved, write_manifest
 
 ITEMS = ("state", "meta", "config")
 
@@ -36,65 +37,28 @@ class CheckpointError(InputError, RuntimeError):
     """WORKDIR's checkpoints cannot be resumed by this run; the message says why and what to do."""
 
 
-def _manager(directory: Path, ckpt_cfg=None, *, read_only: bool = False) -> ocp.CheckpointManager:
+def orbax_manager(directory: Path, ckpt_cfg=None, *, read_only: bool = False,
+                  on_finalized=None) -> ocp.CheckpointManager:
+    """orbax's manager of DIR's steps; on_finalized: called on process 0 once a save's files are all written, before
+    orbax commits the step (checkpoint_integrity.py writes the manifest then)."""
     if read_only:
         options = ocp.CheckpointManagerOptions(read_only=True, create=False)
     else:
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max(1, int(ckpt_cfg.keep)), keep_period=int(ckpt_cfg.keep_every_steps) or None,
-            create=True, enable_async_checkpointing=True)
+            create=True, enable_async_checkpointing=True,
+            async_options=ocp.AsyncOptions(post_finalization_callback=on_finalized))
     return ocp.CheckpointManager(Path(directory).absolute(), options=options, item_names=ITEMS)
 
 
-def incompatibilities(saved_config: dict, config: dict) -> list[str]:
-    """'field=saved there, new here' for each field whose change would break the resume: a state of another
-    shape, or another order of data (moejax.config.changes, RESUME)."""
-    return [f"{f}={saved!r} there, {new!r} here"
-            for f, saved, new in changed_fields(saved_config, config, Continuation.RESUME)]
-
-
-def inspect_workdir(workdir: Path) -> tuple[int, dict] | None:
-    """(latest complete step, its saved config) of WORKDIR's checkpoints, or None when there are none.
-    Reads only small JSON items: it runs before anything is compiled."""
-    directory = Path(workdir) / "checkpoints"
-    if not directory.is_dir():
-        return None
-    absl_logger = logging.getLogger("absl")
-    level = absl_logger.level
-    absl_logger.setLevel(logging.ERROR)  # orbax warns that a read-only manager is read-only
-    manager = _manager(directory, read_only=True)
-    try:
-        step = manager.latest_step()
-        if step is None:
-            return None
-        try:
-            restored = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore(),
-                                                                     meta=ocp.args.JsonRestore()))
-        except Exception as e:
-            raise CheckpointError(_unreadable(directory, step, manager.all_steps(), e)) from None
-        return step, dict(restored.config)
-    finally:
-        manager.close()
-        absl_logger.setLevel(level)
-
-
-def check_resumable(workdir: Path, config_json: str):
-    """Raises CheckpointError if WORKDIR holds a run this config cannot continue."""
-    found = inspect_workdir(workdir)
-    if found is None:
-        return
-    step, saved = found
-    problems = incompatibilities(saved, json.loads(config_json))
-    if problems:
-        raise CheckpointError(f"--workdir {workdir} holds an incompatible run (checkpoint at step {step}): "
-                              f"{problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
-                              + "; use a new --workdir or the saved values")
+def error_summary(error: Exception) -> str:
+    """An exception's first line, cut to 200 characters (orbax's errors run to pages)."""
+    return str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
 
 
 def _unreadable(directory: Path, step: int, steps, error: Exception) -> str:
     older = [s for s in steps if s < step]
-    what = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
-    return (f"checkpoint {directory / str(step)} is incomplete or corrupt ({what}); move it out of "
+    return (f"checkpoint {directory / str(step)} is incomplete or corrupt ({error_summary(error)}); move it out of "
             f"{directory} to resume from " + (f"step {max(older)}" if older else "scratch"))
 
 
@@ -113,16 +77,24 @@ def stderr_held_while_restoring():
 class Checkpointer:
     def __init__(self, directory: Path, ckpt_cfg):
         self.directory = Path(directory)
-        self._manager = _manager(self.directory, ckpt_cfg)
+        self._manager = orbax_manager(self.directory, ckpt_cfg, on_finalized=self._write_manifest)
+        self._saving = None  # the step of the save in flight
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
     def save(self, step: int, state, *, meta: dict, config_json: str):
         """Starts an asynchronous save (returns once the device arrays are copied to host memory)."""
+        # orbax waits for the previous save before it starts this one; waiting here first keeps that save's
+        # manifest callback from reading this step
+        self._manager.wait_until_finished()
+        self._saving = step
         self._manager.save(step, force=True, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta),
             config=ocp.args.JsonSave(json.loads(config_json))))
+
+    def _write_manifest(self):
+        write_manifest(step_being_saved(self.directory.absolute(), self._saving), ITEMS)
 
     def saved_config(self, step: int) -> dict:
         """The resolved config the run that saved `step` had."""
