@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Callable
+
+from moejax.cli.bad_input_exit import exit_bad_input_now
 
 
 def add_job_flags(parser: argparse.ArgumentParser):
@@ -33,13 +34,7 @@ def run_inference_command(prog: str, call: Callable[[], dict], render: Callable[
     try:
         result = call()
     except InputError as e:
-        # A restore that failed can leave tensorstore reads in flight whose callbacks print tracebacks into orbax's
-        # closed event loop at interpreter exit (moejax-train does the same): say why on the process's own stderr
-        # and leave without running them.
-        sys.__stderr__.write(f"{prog}: error: {e}\n")
-        sys.stdout.flush()
-        sys.__stderr__.flush()
-        os._exit(2)
+        exit_bad_input_now(prog, e)
     except DistributedError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 4

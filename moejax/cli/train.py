@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import faulthandler
 import logging
-import os
 import sys
 from pathlib import Path
 
 from absl import flags
 from ml_collections import config_flags
 
+from moejax.cli.bad_input_exit import exit_bad_input_now
 from moejax.cli.config_flag import UsageError, parse_config
 
 FLAGS = flags.FlagValues()
@@ -102,13 +102,7 @@ def main(argv=None) -> int:
     try:
         api.run_training(run)
     except InputError as e:  # found only once reading or restoring: still bad input
-        # A failed orbax restore can leave tensorstore reads in flight whose callbacks would print
-        # tracebacks into a closed event loop at interpreter exit: say why on the real stderr and leave
-        # without running them.
-        sys.__stderr__.write(f"{PROG}: error: {e}\n")
-        sys.stdout.flush()
-        sys.__stderr__.flush()
-        os._exit(2)
+        exit_bad_input_now(PROG, e)
     except NonFiniteLoss as e:
         print(f"{PROG}: stopped: {e}", file=sys.stderr)
         return 3

@@ -33,15 +33,19 @@ class Tokenizer:
     _encode: object  # str -> list[int] | np.ndarray
     _decode: object = None  # list[int] -> str, special tokens left out
 
+    def encode(self, text: str) -> np.ndarray:
+        """The ids of `text`, no special tokens."""
+        return np.asarray(self._encode(text), dtype=np.int64)
+
     def encode_document(self, text: str) -> np.ndarray:
         """[BOS] ids EOS of one document."""
-        ids = np.asarray(self._encode(text), dtype=np.int64)
+        ids = self.encode(text)
         parts = ([[self.bos_id]] if self.bos_id is not None else []) + [ids, [self.eos_id]]
         return np.concatenate(parts).astype(np.int64)
 
     def encode_prompt(self, text: str) -> np.ndarray:
         """[BOS] ids of a prompt: the start of a document as training saw it, no end."""
-        ids = np.asarray(self._encode(text), dtype=np.int64)
+        ids = self.encode(text)
         return np.concatenate(([[self.bos_id]] if self.bos_id is not None else []) + [ids]).astype(np.int64)
 
     def decode(self, ids) -> str:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import time
 from typing import NamedTuple, Sequence
 
@@ -24,7 +23,7 @@ from flax import nnx
 
 from moejax.errors import InputError
 from moejax.inference.sampling import Sampling, next_token
-from moejax.parallel.mesh import batch_axes, batch_sharding
+from moejax.parallel.mesh import batch_sharding, row_shards
 
 _LENGTH_QUANTUM = 64  # cache lengths are rounded up to this: requests of similar length reuse one compile
 
@@ -40,12 +39,6 @@ class Generation(NamedTuple):
     new_tokens: int
     prefill_s: float  # wall time of the prefill (compiled before timing)
     decode_s: float  # wall time of the decode loop
-
-
-def _rows_multiple(mesh) -> int:
-    if mesh is None:
-        return 1
-    return math.prod(mesh.shape[a] for a in batch_axes())
 
 
 def check_mesh(mesh) -> None:
@@ -132,7 +125,8 @@ def generate_ids(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int
     check_mesh(mesh)
 
     rows = len(prompts)
-    padded_rows = -(-rows // _rows_multiple(mesh)) * _rows_multiple(mesh)
+    shards = 1 if mesh is None else row_shards(mesh)
+    padded_rows = -(-rows // shards) * shards
     cache_len = -(-(longest + max_new_tokens) // _LENGTH_QUANTUM) * _LENGTH_QUANTUM
     if max_positions is not None:
         cache_len = min(cache_len, max_positions)

@@ -85,7 +85,7 @@ class MoejaxLM(TemplateLM):
         return self.tok.name
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
-        ids = [int(i) for i in self.tok._encode(string)]
+        ids = self.tok.encode(string).tolist()
         bos = self.add_bos if add_special_tokens is None else add_special_tokens
         return ([self.tok.bos_id] if bos and self.tok.bos_id is not None else []) + ids
 

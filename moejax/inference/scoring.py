@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from moejax.model.moe import exact_dispatch
-from moejax.parallel.mesh import batch_axes, batch_sharding
+from moejax.parallel.mesh import batch_sharding, row_shards
 
 _WIDTH_QUANTUM = 64
 
@@ -46,7 +46,7 @@ def _compiled(graphdef):
 
 def score(model, sequences: Sequence[Sequence[int]], *, mesh=None, batch_rows: int = 8) -> list[Scored]:
     """Next-token log-probabilities of each sequence (>= 2 tokens) under `model` (on `mesh`'s devices, or one)."""
-    shards = 1 if mesh is None else int(np.prod([mesh.shape[a] for a in batch_axes()]))
+    shards = 1 if mesh is None else row_shards(mesh)
     rows = -(-batch_rows // shards) * shards
     graphdef, state = nnx.split(model)
     forward = _compiled(graphdef)

@@ -25,7 +25,7 @@ import numpy as np
 
 from jax.sharding import PartitionSpec as P
 
-from moejax.parallel.mesh import CONTEXT_AXIS, batch_axes, constrain, current_mesh, logical_to_spec
+from moejax.parallel.mesh import CONTEXT_AXIS, batch_axes, constrain, current_mesh, logical_to_spec, row_shards
 
 
 class ContextQueries(NamedTuple):
@@ -88,15 +88,10 @@ def gather_sequence(x_BxLxN, parts: int, trailing=()):
     return constrain(jnp.take(whole, _sequence_order(x_BxLxN.shape[1], parts), axis=1), ("batch", None, *trailing))
 
 
-def _row_shards() -> int:
-    mesh = current_mesh()
-    return 1 if mesh is None else int(np.prod([mesh.shape[a] for a in batch_axes()]))
-
-
 def _device_major(a_BxL, parts: int):
     """[B, L, ...] (rows split over batch_axes(), positions over `context`) -> [R, C, B / R, L / C, ...]: a device's
     rows and positions as one block, devices in token_axes() order."""
-    b, seq, rest, shards = a_BxL.shape[0], a_BxL.shape[1], a_BxL.shape[2:], _row_shards()
+    b, seq, rest, shards = a_BxL.shape[0], a_BxL.shape[1], a_BxL.shape[2:], row_shards()
     return a_BxL.reshape(shards, b // shards, parts, seq // parts, *rest).swapaxes(1, 2)
 
 
@@ -114,7 +109,7 @@ def positions_of(x_TxN, batch: int, seq: int, parts: int):
     """Inverse of tokens_of: [B L, ...] -> [B, L, ...]."""
     if parts == 1:
         return x_TxN.reshape(batch, seq, *x_TxN.shape[1:])
-    shards = _row_shards()
+    shards = row_shards()
     blocks = x_TxN.reshape(shards, parts, batch // shards, seq // parts, *x_TxN.shape[1:]).swapaxes(1, 2)
     return blocks.reshape(batch, seq, *x_TxN.shape[1:])
 

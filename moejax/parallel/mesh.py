@@ -49,6 +49,12 @@ def batch_axes() -> tuple[str, ...]:
     return BATCH_AXES if _INSIDE_STAGE.get() else (*BATCH_AXES, STAGE_AXIS)
 
 
+def row_shards(mesh=None) -> int:
+    """Devices a batch's rows are split over (batch_axes()) on `mesh`, default the current one; 1 without a mesh."""
+    mesh = current_mesh() if mesh is None else mesh
+    return 1 if mesh is None else int(np.prod([mesh.shape[a] for a in batch_axes()]))
+
+
 def token_axes() -> tuple[str, ...]:
     """The mesh axes a [B * L] row of flattened tokens is split over: batch_axes() for the rows, then `context` for
     each row's positions (major to minor, as a [B, L] array split (batch_axes(), context) flattens)."""
