@@ -139,6 +139,8 @@ RANGES: dict[str, Rule] = {
     "checkpoint.every_minutes": number(0, note="0: off"),
     "checkpoint.keep": COUNT,
     "checkpoint.keep_every_steps": integer(0, note="0: none"),
+    "checkpoint.local_every_steps": integer(0, note="0: no local tier"),
+    "checkpoint.local_keep": COUNT,
     "data.max_bytes": COUNT,
     # file i is held out when i % n == 0: n = 1 would hold out every file and leave nothing to train on
     "data.eval_every_nth_file": integer(2, note="every nth file is held out"),

@@ -183,6 +183,12 @@ def default_config() -> ml_collections.ConfigDict:
     # a resume whose newest checkpoint fails its integrity check or does not read back: 'fall_back' to the newest
     # older one that passes (one line on stderr; the bad one moved to WORKDIR/bad_checkpoints/) | 'refuse' (exit 2)
     ck.on_bad_checkpoint = "fall_back"
+    # the local tier (moejax/training/local_checkpoint.py): every local_every_steps steps each process writes its own
+    # shards to node-local storage under local_dir, plus a copy of another node's shards, so that a lost node costs at
+    # most local_every_steps steps; "" / 0: off. Restarts restore from it when it is newer than the persistent tier.
+    ck.local_dir = ""
+    ck.local_every_steps = 0
+    ck.local_keep = 2  # local steps kept per process (the newest complete one survives a save cut short)
 
     c.data = d = ml_collections.ConfigDict()
     # 'stdlib': the Python standard library's own sources, found at run time; or 'PATH[:WEIGHT],...' (or Megatron's

@@ -78,6 +78,11 @@ def validate(cfg, n_devices: int) -> dict[str, int]:
     check_choice("optim.state_sharding", cfg.optim.get("state_sharding", "params"), OPTIMIZER_STATE_SHARDINGS)
     check_choice("checkpoint.on_bad_checkpoint", cfg.checkpoint.get("on_bad_checkpoint", "fall_back"),
                  ON_BAD_CHECKPOINT)
+    ck = cfg.checkpoint
+    if bool(ck.get("local_dir", "")) != (ck.get("local_every_steps", 0) > 0):
+        raise ConfigError("checkpoint.local_dir and checkpoint.local_every_steps go together: give a node-local "
+                          f"directory and a step interval for the local tier, or neither (local_dir={ck.get('local_dir', '')!r}, "
+                          f"local_every_steps={ck.get('local_every_steps', 0)})")
     check_choice("model.attention", m.attention, ATTENTION_KINDS)
     check_choice("model.rope_scaling", m.rope_scaling, ROPE_SCALINGS)
     _validate_attention(m)

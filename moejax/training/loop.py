@@ -33,6 +33,8 @@ from moejax.program.step import jit_eval_step, jit_train_step
 from moejax.program.weights import init_state_from_weights
 from moejax.training import metrics as M
 from moejax.training.checkpoint import Checkpointer, CheckpointError
+from moejax.training.local_checkpoint import LocalTier, layout_fingerprint
+from moejax.training.resume_point import incompatibilities
 from moejax.training.evaluator import Evaluator
 from moejax.training.log_windows import LogWindows
 from moejax.training.nonfinite_guard import NonFiniteGuard, NonFiniteLoss
@@ -74,8 +76,13 @@ def train(cfg, workdir: Path, mesh_sizes: dict[str, int], sources=None) -> dict:
     tx = make_optimizer(cfg.optim)
     graphdef = model_graphdef(cfg)
     checkpointer = Checkpointer(workdir / "checkpoints", cfg.checkpoint)
-    start = checkpointer.latest_step() or 0
-    state, shardings, next_batch, skipped_total = _initial_state(cfg, tx, mesh, checkpointer, start, fingerprint)
+    ck = cfg.checkpoint
+    local_tier = (LocalTier(ck.local_dir, workdir, every_steps=ck.local_every_steps, keep=ck.local_keep)
+                  if ck.get("local_dir", "") else None)
+    if local_tier is not None and local_tier.note and is_main:
+        print(f"local checkpoint tier: {local_tier.note}", flush=True)
+    state, shardings, next_batch, skipped_total, start = _initial_state(cfg, tx, mesh, checkpointer, local_tier,
+                                                                        fingerprint, config_json)
     if is_main:  # only now: a run refused above (broken checkpoint, changed data) leaves config.json alone
         write_config(cfg, workdir)
 
@@ -163,15 +170,20 @@ def train(cfg, workdir: Path, mesh_sizes: dict[str, int], sources=None) -> dict:
                 else:
                     pending = (done, device_metrics)  # closes no window: finishing it later logs nothing
                 save_now, stop = schedule.due(done, host_synced=synced)
-                if save_now:
+                # the local tier saves between persistent saves (a step saved persistently needs no local copy)
+                local_now = local_tier is not None and local_tier.due(done) and not save_now
+                if save_now or local_now:
                     if pending is not None:  # the guard counters saved with the state must include this step
                         finish(*pending)
                         pending = None
                     with timer.excluding():  # a save is not training-step time
                         meta = {"step": done, "seed": cfg.seed, "skipped_steps": guard.total,
                                 "data": {**data_iter.get_state(), "fingerprint": fingerprint}}
-                        checkpointer.save(done, state, meta=meta, config_json=config_json)
-                        schedule.saved()
+                        if save_now:
+                            checkpointer.save(done, state, meta=meta, config_json=config_json)
+                            schedule.saved()
+                        else:
+                            local_tier.save(done, state, meta=meta, config_json=config_json, shardings=shardings)
                         watchdog.beat(f"checkpoint at step {done}")
                 if stop:
                     raise Stopped(signals.received, done)
@@ -186,6 +198,8 @@ def train(cfg, workdir: Path, mesh_sizes: dict[str, int], sources=None) -> dict:
                 teardown.callback(wandb_logger.close, failed=not completed)
             for close in (writer.close, checkpointer.close, profiler.stop, watchdog.stop):
                 teardown.callback(close)
+            if local_tier is not None:
+                teardown.callback(local_tier.close)
     return last
 
 
@@ -203,12 +217,33 @@ def _data(cfg, sources):
     return batches, held_out, data_fingerprint(sources)
 
 
-def _initial_state(cfg, tx, mesh, checkpointer: Checkpointer, start: int, fingerprint: str):
-    """(state, shardings, next batch index, skipped steps so far): checkpoint `start`'s when start > 0, else
-    the imported weights of checkpoint.init_from, else a fresh init from the seed."""
+def _initial_state(cfg, tx, mesh, checkpointer: Checkpointer, local_tier: LocalTier | None, fingerprint: str,
+                   config_json: str):
+    """(state, shardings, next batch index, skipped steps so far, step): the newest of the persistent checkpoint and
+    the local tier's newest step every process can restore; else the imported weights of checkpoint.init_from, else
+    a fresh init from the seed."""
+    persistent = checkpointer.latest_step() or 0
+    abstract = abstract_state(cfg, tx)
+    shardings = train_state_shardings(cfg, abstract, mesh)
+    local = None
+    if local_tier is not None:
+        local = local_tier.newest_restorable(layout_fingerprint(jax.tree.flatten_with_path(abstract)[0], shardings))
+        if local is not None and local.step <= persistent:
+            local = None
+    if local is not None:
+        problems = incompatibilities(local.saved_config, json.loads(config_json))
+        if problems:
+            raise CheckpointError(f"the local checkpoint tier holds step {local.step} of an incompatible run "
+                                  f"({problems[0]}); use a new --workdir or the saved values")
+        state, meta = local_tier.restore(local, abstract, shardings), local.meta
+        if jax.process_index() == 0:
+            sent = "".join(f"; process {owner}'s shards sent back by process {holder}"
+                           for holder, owner in local.returned)
+            print(f"restoring step {local.step} from the local tier{sent} (persistent: "
+                  f"{persistent or 'none'})", flush=True)
+        return (state, shardings, *_checked_meta(meta, local.step, fingerprint), local.step)
+    start = persistent
     if start:
-        abstract = abstract_state(cfg, tx)
-        shardings = train_state_shardings(cfg, abstract, mesh)
         saved_like = stacked_like(checkpointer.saved_config(start), cfg)
         if saved_like is None:
             state, meta = checkpointer.restore(start, abstract, shardings)
@@ -216,15 +251,20 @@ def _initial_state(cfg, tx, mesh, checkpointer: Checkpointer, start: int, finger
             saved_abstract = abstract_state(saved_like, tx)
             state, meta = checkpointer.restore(start, saved_abstract, restore_shardings(cfg, saved_abstract, mesh))
             state = restack(state, abstract, shardings, mesh, saved_like, cfg)
-        if meta["data"]["fingerprint"] != fingerprint:
-            raise CheckpointError(f"the data changed since checkpoint {start} was saved ({meta['data']['fingerprint']}"
-                                  f" then, {fingerprint} now); a resumed run must read the same data")
-        return state, shardings, int(meta["data"]["next_batch"]), int(meta["skipped_steps"])
+        return (state, shardings, *_checked_meta(meta, start, fingerprint), start)
     if cfg.checkpoint.init_from:  # continue from released (imported) weights
         state, shardings = init_state_from_weights(cfg, tx, mesh, cfg.checkpoint.init_from)
     else:
         state, shardings = init_state(cfg, tx, mesh, cfg.seed)
-    return state, shardings, 0, 0
+    return state, shardings, 0, 0, 0
+
+
+def _checked_meta(meta: dict, step: int, fingerprint: str) -> tuple[int, int]:
+    """(next batch index, skipped steps so far) of a restored checkpoint, whose data must be this run's."""
+    if meta["data"]["fingerprint"] != fingerprint:
+        raise CheckpointError(f"the data changed since checkpoint {step} was saved ({meta['data']['fingerprint']}"
+                              f" then, {fingerprint} now); a resumed run must read the same data")
+    return int(meta["data"]["next_batch"]), int(meta["skipped_steps"])
 
 
 def _compile(cfg, graphdef, tx, mesh, shardings, state, example, *, with_eval: bool):
