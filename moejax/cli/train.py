@@ -4,7 +4,8 @@ Exit codes: 0 done; 2 bad configuration or input, including processes of one job
 and a WORKDIR holding an incompatible run or no checkpoint that passes its integrity check (one line on
 stderr, nothing in DIR overwritten; a damaged newest checkpoint alone is passed over, or refused with
 checkpoint.on_bad_checkpoint=refuse); 3 too many consecutive non-finite steps; 4 could not join the
-multi-process job; 5 the watchdog saw no step finish within guards.step_timeout_s; 130/143 stopped by
+multi-process job; 5 the watchdog saw no step finish within guards.step_timeout_s; 6 another process of the job
+is gone (a collective failed on a lost peer, or its heartbeat stopped for guards.peer_timeout_s); 130/143 stopped by
 SIGINT/SIGTERM after saving a checkpoint; anything else is a crash (a native one, e.g. SIGSEGV in a library,
 first writes every thread's Python stack to stderr).
 
@@ -78,7 +79,8 @@ def main(argv=None) -> int:
 
     from moejax import api
     from moejax.training.distributed import DistributedError
-    from moejax.training.loop import NonFiniteLoss, Stopped
+    from moejax.training.loop import LostPeer, NonFiniteLoss, Stopped
+    from moejax.training.peer_monitor import lost_peer_exit
 
     try:  # bad config, data or WORKDIR: exit 2 before anything is compiled or written
         run = api.prepare_training(cfg, FLAGS.workdir, coordinator=FLAGS.coordinator,
@@ -106,6 +108,8 @@ def main(argv=None) -> int:
     except NonFiniteLoss as e:
         print(f"{PROG}: stopped: {e}", file=sys.stderr)
         return 3
+    except LostPeer as e:  # at once: jax's shutdown would wait for the dead process, then abort (134)
+        lost_peer_exit(str(e))
     except Stopped as e:  # preempted: the checkpoint is saved; the shell's usual code for the signal
         print(f"{PROG}: {e}", file=sys.stderr)
         return 128 + e.signum

@@ -149,6 +149,7 @@ RANGES: dict[str, Rule] = {
                                     lambda v: v == 0 or v >= 2, integer=True),
     "guards.max_bad_steps": COUNT,
     "guards.step_timeout_s": number(0, note="0: off"),
+    "guards.peer_timeout_s": number(0, note="0: off"),
     "profile.start_step": integer(note="< 0: off"),
     "profile.num_steps": COUNT,
     "hardware.peak_tflops": number(0, note="0: look the GPU up, or measure"),

@@ -203,6 +203,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.guards = g = ml_collections.ConfigDict()
     g.max_bad_steps = 5  # stop after this many consecutive steps with a non-finite loss or gradient
     g.step_timeout_s = 1800.0  # watchdog: no step finished for this long -> dump stacks, exit 5; 0: off
+    # multi-process jobs: another process sent no heartbeat for this long (it died, or its node did) -> exit 6 at once,
+    # before jax's coordination service aborts the survivors (100 s, SIGABRT); 0: off
+    g.peer_timeout_s = 30.0
     g.inject_nan_steps = ""  # testing the guards: comma-separated steps whose loss is made NaN
 
     c.profile = pr = ml_collections.ConfigDict()

@@ -38,13 +38,14 @@ from moejax.training.resume_point import incompatibilities
 from moejax.training.evaluator import Evaluator
 from moejax.training.log_windows import LogWindows
 from moejax.training.nonfinite_guard import NonFiniteGuard, NonFiniteLoss
+from moejax.training.peer_monitor import LostPeer, PeerMonitor, as_lost_peer
 from moejax.training.preemption import SaveSchedule, StopSignals
 from moejax.training.profile_window import ProfileWindow
 from moejax.training.step_timer import StepTimer
 from moejax.training.wandb_logger import open_wandb_logger
 from moejax.training.watchdog import Watchdog
 
-__all__ = ["NonFiniteLoss", "Stopped", "train", "write_config"]
+__all__ = ["LostPeer", "NonFiniteLoss", "Stopped", "train", "write_config"]
 
 
 class Stopped(Exception):
@@ -64,6 +65,20 @@ def train(cfg, workdir: Path, mesh_sizes: dict[str, int], sources=None) -> dict:
     `sources`: the opened data.corpus (moejax.data.sources.open_sources), when the caller already checked it."""
     workdir = Path(workdir)
     is_main = jax.process_index() == 0
+    # first: a peer that dies while this process compiles or restores is noticed too (exit 6)
+    peer_monitor = PeerMonitor(cfg.guards.get("peer_timeout_s", 0)).start()
+    try:
+        return _train(cfg, workdir, mesh_sizes, sources, is_main)
+    except Exception as e:
+        lost = as_lost_peer(e)
+        if lost is not None:
+            raise lost from e
+        raise
+    finally:
+        peer_monitor.stop()
+
+
+def _train(cfg, workdir: Path, mesh_sizes: dict[str, int], sources, is_main: bool) -> dict:
     mesh = mesh_from_config(cfg, mesh_sizes)
     t, g = cfg.train, cfg.guards
     # capacity_factor <= 0 sizes capacity buffers for the worst case: like dropless, nothing can drop
