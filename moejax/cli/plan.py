@@ -38,6 +38,13 @@ flags.DEFINE_multi_string("layout", [], "a layout to rank among the searched one
                           "record: pp=2,vp=8,ep=32,data=4,remat=full,mb=1 (fields: data fsdp context|cp expert|ep "
                           "tensor|tp stage|pp virtual|vp remat mb dispatch; unnamed axes 1)", flag_values=FLAGS)
 
+flags.DEFINE_bool("checkpoint", False, "with --topology/--gpus: the checkpoint's size and save times at the best "
+                  "layout and each --layout (moejax/planner/checkpoint_io.py)", flag_values=FLAGS)
+flags.DEFINE_string("checkpoint_assume", "", "--checkpoint's assumptions, overridden, e.g. persistent_gbps=200,"
+                    "node_persistent_gbps=50,local_write_gbps=20,peer_link_gbps=400,gpus_per_process=1,"
+                    "replica_parallel=0 (defaults: one process per node of the topology, the bandwidths in "
+                    "checkpoint_io.py)", flag_values=FLAGS)
+
 PROG = "moejax-plan"
 
 
@@ -83,10 +90,19 @@ def main(argv=None) -> int:
     except ConfigError as e:
         return _usage_error(str(e))
     report = {"model": accounting_report(cfg, FLAGS.seq_len)}
+    try:  # before the search, which takes minutes at 671B
+        assume = _checkpoint_assumptions(FLAGS.checkpoint_assume) if FLAGS.checkpoint else None
+    except InputError as e:
+        return _usage_error(str(e))
     if FLAGS.topology or FLAGS.gpus:
         try:
             report["plan"] = _layouts(cfg)
         except InputError as e:  # unknown topology, bad --gpus/--remat/--dispatch/--top/... (checked by moejax.plan)
+            return _usage_error(str(e))
+    if FLAGS.checkpoint:
+        try:
+            report["checkpoint"] = _checkpoint_costs(cfg, report["plan"], assume)
+        except InputError as e:
             return _usage_error(str(e))
     if FLAGS.json:
         print(json.dumps(report, indent=2))
@@ -96,6 +112,8 @@ def main(argv=None) -> int:
             from moejax.planner.search import format_plan
 
             print("\n" + format_plan(report["plan"]))
+        if "checkpoint" in report:
+            print("\n" + _checkpoint_table(report["checkpoint"]))
     return 0
 
 
@@ -114,6 +132,71 @@ def _layouts(cfg) -> dict:
                     domain_size=FLAGS.domain_size, remats=_split(FLAGS.remat),
                     dispatches=_split(FLAGS.dispatch) if FLAGS.dispatch else None, top=FLAGS.top,
                     candidates=FLAGS.layout)
+
+
+def _checkpoint_costs(cfg, plan: dict, assume: dict) -> list[dict]:
+    """--checkpoint: checkpoint_cost of each GPU count's best layout and its --layout candidates, on the topology's
+    nodes (a GB tray of 4 GPUs, an HGX node of 8) and NVLink domains as the plan used them."""
+    from moejax.parallel.topology import get_topology
+    from moejax.planner.checkpoint_io import checkpoint_cost
+    from moejax.planner.layout import Layout
+
+    node = get_topology(plan["topology"]).devices_per_process
+    rows = []
+    for run in plan["runs"]:
+        chosen = [("best", run["best"][0])] if run["best"] else []
+        for name, p in chosen + [("candidate", c) for c in run["candidates"]]:
+            options = {"gpus_per_node": node or run["gpus"], "domain_size": run["domain_size"], **assume}
+            try:
+                cost = checkpoint_cost(cfg, Layout(**p["layout"]), **options)
+            except ValueError as e:  # a node or process size that does not divide the job
+                raise InputError(f"--checkpoint_assume: {e}") from None
+            rows.append({"gpus": run["gpus"], "which": name, "layout": p["name"], **cost.to_dict()})
+    return rows
+
+
+def _checkpoint_assumptions(text: str) -> dict:
+    """'persistent_gbps=200,gpus_per_process=1' -> keyword arguments of checkpoint_cost."""
+    if not (FLAGS.topology and FLAGS.gpus):
+        raise InputError("--checkpoint needs --topology and --gpus (the layouts whose checkpoint it sizes)")
+    kinds = {"persistent_gbps": float, "node_persistent_gbps": float, "local_write_gbps": float,
+             "peer_link_gbps": float, "gpus_per_node": int, "gpus_per_process": int, "replica_parallel": int}
+    out = {}
+    for part in _split(text):
+        key, _, value = part.partition("=")
+        if key not in kinds:
+            raise InputError(f"--checkpoint_assume: {key!r} is not one of {', '.join(kinds)}")
+        try:
+            out[key] = kinds[key](value)
+        except ValueError:
+            raise InputError(f"--checkpoint_assume: {key} must be a number, not {value!r}") from None
+        if out[key] < 0 or (out[key] == 0 and key not in ("gpus_per_process", "replica_parallel")):
+            raise InputError(f"--checkpoint_assume: {key} must be positive, not {value!r}")
+    if "replica_parallel" in out:
+        out["replica_parallel"] = bool(out["replica_parallel"])
+    return out
+
+
+def _checkpoint_table(rows: list[dict]) -> str:
+    gb = 1e9
+    a = rows[0]["assumptions"] if rows else {}
+    width = max((len(r["layout"]) for r in rows), default=6)
+    lines = ["checkpoint (planner prediction; array bytes, zstd not counted): nodes of "
+             f"{a.get('gpus_per_node')} GPUs, processes of {a.get('gpus_per_process')}; persistent file system "
+             f"{a.get('persistent_gbps'):g} GB/s in all, {a.get('node_persistent_gbps'):g} GB/s per node, orbax "
+             f"replica-parallel {'on' if a.get('replica_parallel') else 'off'}; local disk "
+             f"{a.get('local_write_gbps'):g} GB/s, peer link {a.get('peer_link_gbps'):g} GB/s per node",
+             f"  {'GPUs':>4s} {'':9s} {'layout':{width}s} {'total TB':>8s} {'persist. GB/node':>16s} {'save s':>7s} "
+             f"{'local GB/node':>13s} {'peer s':>7s} {'local s':>7s}"]
+    for r in rows:
+        lines.append(f"  {r['gpus']:4d} {r['which']:9s} {r['layout']:{width}s} {r['total_bytes'] / 1e12:8.2f} "
+                     f"{r['persistent_node_bytes'] / gb:16.1f} {r['persistent_save_s']:7.1f} "
+                     f"{r['local_disk_bytes'] / gb:13.1f} {r['peer_send_s']:7.2f} {r['local_write_s']:7.1f}")
+    lines.append("  persist. GB/node: the most one node writes to the shared directory; save s: the slower of the "
+                 "file system and that node's link")
+    lines.append("  local GB/node: the node's own shards and one peer node's copy (the local tier); peer s: sending "
+                 "its own to the peer; local s: writing both to the local disk")
+    return "\n".join(lines)
 
 
 def _split(text: str) -> list[str]:
