@@ -7,12 +7,17 @@
 Every process runs `python -m moejax.train <args> --coordinator 127.0.0.1:PORT --num_processes N
 --process_id I`; their collectives go through gloo. Output lines are prefixed with [pI]. When one process
 fails the others are stopped, and the launcher exits with the first failure's code; Ctrl-C stops all.
+
+With --max_restarts N it supervises: after a failure a restart can help with (a lost process, a crash, a hang;
+not bad input or non-finite losses: moejax/training/restart_policy.py) it starts every process again, up to N
+times, and logs each restart's cause and the step the job resumed at ("[launch] ..." lines).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -21,20 +26,42 @@ import threading
 import time
 
 
+LOST_PEER = 6  # moejax-train's exit code when another process of the job is gone
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _pump(proc, prefix):
+class _Restarts:
+    """What the supervisor tells about a restart once the new job shows where it resumed."""
+
+    def __init__(self):
+        self.pending = None  # (restart number, time of the failure) until process 0 prints its start banner
+
+    def watch(self, line: str):
+        match = re.search(r"resumed at step (\d+)", line) if self.pending else None
+        if self.pending and (match or " compiled in " in line):
+            n, failed_at = self.pending
+            self.pending = None
+            where = f"step {match.group(1)}" if match else "step 0 (no checkpoint)"
+            print(f"[launch] restart {n}: training again from {where}, {time.monotonic() - failed_at:.1f}s after the "
+                  "failure", flush=True)
+
+
+def _pump(proc, prefix, restarts: _Restarts | None = None):
     for line in proc.stdout:
         sys.stdout.write(f"{prefix} {line}")
         sys.stdout.flush()
+        if restarts is not None:
+            restarts.watch(line)
 
 
 def launch(num_processes: int, devices_per_process: int, train_args: list[str], port: int | None = None,
-           python: str = sys.executable) -> int:
+           python: str = sys.executable, restarts: _Restarts | None = None) -> tuple[int, int | None]:
+    """Runs the job once: (the first failure's exit code, or 0; the index of the process that failed first)."""
     port = port or free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices_per_process}".strip())
@@ -44,34 +71,66 @@ def launch(num_processes: int, devices_per_process: int, train_args: list[str], 
                "--num_processes", str(num_processes), "--process_id", str(i)]
         p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              start_new_session=True)
-        threading.Thread(target=_pump, args=(p, f"[p{i}]"), daemon=True).start()
+        print(f"[launch] process {i}: pid {p.pid}", flush=True)
+        threading.Thread(target=_pump, args=(p, f"[p{i}]", restarts if i == 0 else None), daemon=True).start()
         procs.append(p)
+
+    stopping = []
 
     def stop_all(sig=signal.SIGTERM):
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, sig)
 
-    signal.signal(signal.SIGTERM, lambda *_: stop_all())
-    first_failure = 0
+    def on_sigterm(*_):
+        stopping.append(True)
+        stop_all()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    first_failure, failed = 0, None
     try:
         while any(p.poll() is None for p in procs):
-            for p in procs:
-                if p.poll() not in (None, 0) and not first_failure:
-                    first_failure = p.returncode
-                    time.sleep(2)  # let the others print their own error before they are stopped
-                    stop_all()
+            failures = [(i, p.returncode) for i, p in enumerate(procs) if p.poll() not in (None, 0)]
+            if failures and not first_failure:
+                # a process that left because its peer was lost (6) reports a consequence: name the peer's exit
+                failed, first_failure = next((f for f in failures if f[1] != LOST_PEER), failures[0])
+                time.sleep(2)  # let the others print their own error before they are stopped
+                stop_all()
             time.sleep(0.2)
     except KeyboardInterrupt:
         stop_all(signal.SIGINT)
         for p in procs:
             p.wait()
-        return 130
-    for p in procs:
-        if p.returncode and not first_failure:
-            first_failure = p.returncode
+        return 130, None
+    failures = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode]
+    if failures and (not first_failure or first_failure == LOST_PEER):
+        failed, first_failure = next((f for f in failures if f[1] != LOST_PEER), failures[0])
     time.sleep(0.2)  # let the pump threads drain
-    return first_failure
+    if stopping:  # the supervisor itself was asked to stop: a stop, whatever the processes said
+        return 143, None
+    return first_failure, failed
+
+
+def supervise(num_processes: int, devices_per_process: int, train_args: list[str], max_restarts: int,
+              port: int | None = None) -> int:
+    """Runs the job; after a failure a restart would help with (moejax.training.restart_policy), starts every
+    process again, up to max_restarts times. Each restart is logged with its cause and the step it resumed at."""
+    from moejax.training.restart_policy import cause, should_restart
+
+    restarts = _Restarts()
+    for attempt in range(max_restarts + 1):
+        code, failed = launch(num_processes, devices_per_process, train_args, port, restarts=restarts)
+        if code == 0 or not should_restart(code):
+            return code
+        who = f"process {failed}" if failed is not None else "the job"
+        if attempt == max_restarts:
+            print(f"[launch] {who} exited with {code} ({cause(code)}); no restarts left (--max_restarts "
+                  f"{max_restarts})", flush=True)
+            return code
+        print(f"[launch] {who} exited with {code} ({cause(code)}); restart {attempt + 1}/{max_restarts}",
+              flush=True)
+        restarts.pending = (attempt + 1, time.monotonic())
+    return code
 
 
 def main():
@@ -80,12 +139,15 @@ def main():
     ap.add_argument("--num_processes", type=int, default=2)
     ap.add_argument("--devices_per_process", type=int, default=4)
     ap.add_argument("--port", type=int, default=None)
+    ap.add_argument("--max_restarts", type=int, default=0,
+                    help="restart every process after a failure a restart can help with (a lost process, a crash, "
+                         "a hang), up to N times; the job resumes from its newest checkpoint (default 0: none)")
     ap.add_argument("train_args", nargs=argparse.REMAINDER)
     args = ap.parse_args()
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
     if not train_args:
         ap.error("give the moejax-train arguments after --")
-    return launch(args.num_processes, args.devices_per_process, train_args, args.port)
+    return supervise(args.num_processes, args.devices_per_process, train_args, args.max_restarts, args.port)
 
 
 if __name__ == "__main__":
