@@ -46,3 +46,22 @@ def test_jobset_parses_and_is_consistent():
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 4
     assert "nvidia.com/gpu.clique" in jobset["metadata"]["annotations"].values()
     assert "moejax-train" in container["args"][0] and "JAX_PROCESS_ID" in container["args"][0]
+
+
+def test_restart_policy_and_the_launchers_agree():
+    """launch/local.py, the sbatch retry loop and the JobSet's pod failure policy restart after the same exits."""
+    from moejax.training.restart_policy import FINAL, cause, should_restart
+
+    assert [should_restart(c) for c in (0, 2, 3, 130, 143, -15)] == [False] * 6
+    assert [should_restart(c) for c in (1, 4, 5, 6, 134, -6, -9, 137)] == [True] * 8
+    assert cause(6) == "lost a peer process" and cause(-9) == "killed by SIGKILL" and cause(134) == "killed by SIGABRT"
+    sbatch = (LAUNCH / "slurm/nvl72.sbatch").read_text()
+    final_case = next(line.strip() for line in sbatch.splitlines() if 'exit "$code" ;;' in line)
+    assert sorted(int(c) for c in final_case.split(")")[0].split("|")) == sorted(FINAL)
+    jobset = next(d for d in yaml.safe_load_all((LAUNCH / "k8s/jobset.yaml").read_text()) if d["kind"] == "JobSet")
+    job = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]
+    fail_codes = [r["onExitCodes"]["values"] for r in job["podFailurePolicy"]["rules"] if r["action"] == "FailJob"]
+    # 130/143 are not in the pod policy: Kubernetes stops pods with SIGTERM, and a JobSet restart is then wanted
+    assert fail_codes == [[c for c in sorted(FINAL) if c not in (0, 130, 143)]]
+    rule = jobset["spec"]["failurePolicy"]["rules"][0]
+    assert rule["action"] == "FailJobSet" and rule["onJobFailureReasons"] == ["PodFailurePolicy"]
