@@ -110,7 +110,6 @@ class LocalTier:
         self.offset, self.note = peer_offset()
         self._writer: threading.Thread | None = None
         self._write_error: BaseException | None = None
-        self.last_save_s = 0.0  # host time of the last save (exchange + copies to host), for the log
 
     def due(self, step: int) -> bool:
         return self.every_steps > 0 and step % self.every_steps == 0
@@ -138,13 +137,15 @@ class LocalTier:
                  "layout": layout_fingerprint(leaves_with_path, shardings),
                  "leaves": [{"path": jax.tree_util.keystr(path), "shape": list(leaf.shape), "dtype": str(leaf.dtype)}
                             for path, leaf in leaves_with_path]}
+        # seconds the training waited (peer exchange, copies to host); the write's own time is added by _write
+        index["timings"] = {"blocking_s": round(time.perf_counter() - start, 4)}
         self._writer = threading.Thread(target=self._write, args=(step, index, own, peer, meta, config_json),
                                         name="moejax-local-checkpoint", daemon=True)
         self._writer.start()
-        self.last_save_s = time.perf_counter() - start
 
     def _write(self, step, index, own, peer, meta, config_json):
         try:
+            start = time.perf_counter()
             tmp = self.root / f"{step}{TMP_SUFFIX}"
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
@@ -166,6 +167,7 @@ class LocalTier:
                     leaf[name] = entries
             (tmp / "meta.json").write_text(json.dumps(meta))
             (tmp / "config.json").write_text(config_json)
+            index["timings"]["background_write_s"] = round(time.perf_counter() - start, 4)
             (tmp / INDEX).write_text(json.dumps(index))
             final = self.root / str(step)
             shutil.rmtree(final, ignore_errors=True)  # the same step saved again after a restart from an older one
