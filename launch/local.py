@@ -27,6 +27,7 @@ import time
 
 
 LOST_PEER = 6  # moejax-train's exit code when another process of the job is gone
+KILL_AFTER_S = 5  # after a failure, the others get SIGTERM (a survivor is left with a dead peer), then SIGKILL
 
 
 def free_port() -> int:
@@ -87,15 +88,18 @@ def launch(num_processes: int, devices_per_process: int, train_args: list[str], 
         stop_all()
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    first_failure, failed = 0, None
+    first_failure, failed, stopped_at = 0, None, 0.0
     try:
         while any(p.poll() is None for p in procs):
-            failures = [(i, p.returncode) for i, p in enumerate(procs) if p.poll() not in (None, 0)]
-            if failures and not first_failure:
+            if not first_failure and any(p.poll() not in (None, 0) for p in procs):
+                time.sleep(2)  # let the others print their own error (and exit by themselves) before they are stopped
+                failures = [(i, p.returncode) for i, p in enumerate(procs) if p.poll() not in (None, 0)]
                 # a process that left because its peer was lost (6) reports a consequence: name the peer's exit
                 failed, first_failure = next((f for f in failures if f[1] != LOST_PEER), failures[0])
-                time.sleep(2)  # let the others print their own error before they are stopped
                 stop_all()
+                stopped_at = time.monotonic()
+            elif first_failure and time.monotonic() - stopped_at > KILL_AFTER_S:
+                stop_all(signal.SIGKILL)  # a frozen or hung process does not act on SIGTERM
             time.sleep(0.2)
     except KeyboardInterrupt:
         stop_all(signal.SIGINT)
@@ -103,7 +107,7 @@ def launch(num_processes: int, devices_per_process: int, train_args: list[str], 
             p.wait()
         return 130, None
     failures = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode]
-    if failures and (not first_failure or first_failure == LOST_PEER):
+    if failures and not first_failure:  # every process ended at once
         failed, first_failure = next((f for f in failures if f[1] != LOST_PEER), failures[0])
     time.sleep(0.2)  # let the pump threads drain
     if stopping:  # the supervisor itself was asked to stop: a stop, whatever the processes said

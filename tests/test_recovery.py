@@ -1,7 +1,7 @@
 """A lost process costs at most checkpoint.local_every_steps steps and no person: 2 processes x 4 CPU devices under
 launch/local.py's supervisor, one SIGKILLed after a local save; the other exits 6 at once, the supervisor restarts
 the job, which resumes from the local tier with the losses it had. Then a node's local directory is lost too: the
-peer's copy serves."""
+peer's copy serves; and a frozen process is noticed by its stopped heartbeat."""
 
 import json
 import random
@@ -20,8 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ARGS = ["--config", str(ROOT / "configs/tiny.py"), "--config.train.global_batch=8", "--config.train.seq_len=32",
         "--config.train.log_every=1", "--config.train.eval_every=0", "--config.data.max_bytes=1000000",
         "--config.model.n_layers=2", "--config.mesh.data=2", "--config.mesh.expert=4", "--config.train.steps=12",
-        "--config.checkpoint.every_steps=0", "--config.checkpoint.local_every_steps=3",
-        "--config.guards.peer_timeout_s=20"]
+        "--config.checkpoint.every_steps=0", "--config.checkpoint.local_every_steps=3"]
 
 
 def records(workdir):
@@ -29,10 +28,11 @@ def records(workdir):
     return [(r["step"], r["loss"]) for r in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines())]
 
 
-def supervised(workdir, local, *, kill_after_step=None, max_restarts=1):
+def supervised(workdir, local, *, kill_after_step=None, sig=signal.SIGKILL, peer_timeout_s=20, max_restarts=1):
+    """Runs the job under launch/local.py; sends process 1 `sig` once process 0 logged kill_after_step."""
     cmd = [sys.executable, str(ROOT / "launch/local.py"), "--num_processes", "2", "--devices_per_process", "4",
            "--max_restarts", str(max_restarts), "--", *ARGS, "--workdir", str(workdir),
-           f"--config.checkpoint.local_dir={local}"]
+           f"--config.checkpoint.local_dir={local}", f"--config.guards.peer_timeout_s={peer_timeout_s}"]
     # without the suite's persistent compilation cache: a 2-process CPU (gloo) job that loads its step from jax's
     # cache hangs at the first step (jax 0.12.1, seen 2026-12-06), and the restarted job would load it
     env = {k: v for k, v in cpu_env(4).items() if k != "JAX_COMPILATION_CACHE_DIR"}
@@ -44,7 +44,7 @@ def supervised(workdir, local, *, kill_after_step=None, max_restarts=1):
         if m := re.match(r"\[launch\] process (\d): pid (\d+)", line):
             pids[int(m.group(1))] = int(m.group(2))
         if kill_after_step and not killed and line.startswith(f"[p0] step {kill_after_step}/"):
-            os.kill(pids[1], signal.SIGKILL)
+            os.kill(pids[1], sig)
             killed = True
     proc.wait(timeout=600)
     return proc.returncode, "".join(lines)
@@ -52,7 +52,7 @@ def supervised(workdir, local, *, kill_after_step=None, max_restarts=1):
 
 @pytest.mark.slow
 def test_a_killed_process_is_restarted_from_the_local_tier_and_a_lost_local_dir_from_its_peer(tmp_path):
-    """Slow (about 60 s on 2 cores): two 2-process jobs, the first restarted once."""
+    """Slow (about 75 s on 2 cores): two 2-process jobs, each restarted once."""
     workdir, local = tmp_path / "run", tmp_path / "local"
     kill_at = random.choice([7, 8])  # after the local save at step 6, before the one at 9
     code, out = supervised(workdir, local, kill_after_step=kill_at)
@@ -70,15 +70,19 @@ def test_a_killed_process_is_restarted_from_the_local_tier_and_a_lost_local_dir_
 
     # A lost node: process 1's local directory is gone, and the persistent tier has only the final step, which a
     # person removed to go back. The resumed job has local saves at 6 (from before the kill) and 9: step 9 wins,
-    # process 1's shards come back from process 0's copy.
+    # process 1's shards come back from process 0's copy. In that job process 1 freezes (SIGSTOP) after step 10: its
+    # heartbeat stops, process 0 exits 6 within guards.peer_timeout_s, the supervisor kills the frozen process and
+    # restarts; the job resumes at 9 again.
     shutil.rmtree(workdir / "checkpoints")
     lost = [p for p in local.glob("*/process_1")]
     assert len(lost) == 1 and sorted(int(p.name) for p in lost[0].iterdir()) == [6, 9]
     shutil.rmtree(lost[0])
-    code, out = supervised(workdir, local, max_restarts=0)
+    code, out = supervised(workdir, local, kill_after_step=10, sig=signal.SIGSTOP, peer_timeout_s=5)
     assert code == 0, out[-3000:]
-    assert "restoring step 9 from the local tier; process 1's shards sent back by process 0" in out
-    again = dict(records(workdir)[len(logged):])
-    assert sorted(again) == [10, 11, 12]
-    for step in again:
-        assert again[step] == resumed[step], (step, again[step], resumed[step])
+    assert out.count("restoring step 9 from the local tier; process 1's shards sent back by process 0") == 2, out[-3000:]
+    assert re.search(r"lost a peer process: process 1 sent no heartbeat for \d+s \(guards.peer_timeout_s=5\)", out)
+    assert "[launch] process 0 exited with 6 (lost a peer process); restart 1/1" in out
+    again = records(workdir)[len(logged):]
+    assert {step for step, _ in again} == {10, 11, 12}
+    for step, loss in again:  # before the freeze and after the restart
+        assert loss == resumed[step], (step, loss, resumed[step])
