@@ -99,6 +99,18 @@ def test_a_numeric_field_the_table_does_not_know_is_checked_for_finiteness():
         validate(cfg, 8)
 
 
+def test_the_local_tier_needs_a_directory_and_an_interval_together():
+    cfg = default_config()
+    cfg.checkpoint.local_every_steps = 5
+    with pytest.raises(ConfigError, match=r"^checkpoint\.local_dir and checkpoint\.local_every_steps go together"):
+        validate(cfg, 8)
+    cfg.checkpoint.local_every_steps, cfg.checkpoint.local_dir = 0, "/local"
+    with pytest.raises(ConfigError, match=r"local_dir='/local', local_every_steps=0\)$"):
+        validate(cfg, 8)
+    cfg.checkpoint.local_every_steps = 5
+    validate(cfg, 8)
+
+
 def _shipped_configs():
     """Every config file of configs/ and benchmarks/configs/, with each variant its get_config takes (STAGES,
     VARIANTS)."""
