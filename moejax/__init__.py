@@ -11,7 +11,7 @@ from moejax.errors import InputError
 
 def __getattr__(name):
     # Errors defined in heavier modules, imported when first asked for.
-    if name in ("NonFiniteLoss", "Stopped"):
+    if name in ("LostPeer", "NonFiniteLoss", "Stopped"):
         from moejax.training import loop
 
         return getattr(loop, name)
@@ -22,5 +22,5 @@ def __getattr__(name):
     raise AttributeError(f"module 'moejax' has no attribute {name!r}")
 
 
-__all__ = ["ConfigError", "DistributedError", "InputError", "NonFiniteLoss", "Stopped", "check_config", "dry_run",
+__all__ = ["ConfigError", "DistributedError", "InputError", "LostPeer", "NonFiniteLoss", "Stopped", "check_config", "dry_run",
            "evaluate", "generate", "load_config", "plan", "train"]
