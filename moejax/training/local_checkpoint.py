@@ -1,7 +1,8 @@
 """The local checkpoint tier: frequent saves of each process's own shards to node-local storage, each with a copy
 on another node, so that losing a node loses at most `checkpoint.local_every_steps` steps.
 
-Layout: LOCAL_DIR/<workdir name>-<hash of its path>/process_<p>/<step>/ holds
+Layout: LOCAL_DIR/<workdir name>-<run id>/process_<p>/<step>/ holds (the run id is made by WORKDIR's first run and
+kept in WORKDIR/local_tier_id: a WORKDIR deleted and started again does not resume from the old run's local steps)
 - own.bin: the unique shards of the train state that process p's devices hold;
 - peer.bin: the same for the process whose copy p keeps (sent over the devices' links: peer_exchange.py);
 - index.json: where each leaf's shards sit in the two files, their sizes and CRC32s, the layout fingerprint;
@@ -35,6 +36,7 @@ import shutil
 import socket
 import threading
 import time
+import uuid
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,14 +79,31 @@ def _kv_client():
     return jax_distributed.global_state.client
 
 
+_gathers = [0]  # calls so far: every process makes the same calls in the same order, so the count names each one
+
+
 def _all_gather_json(key: str, mine, timeout_s: float = 600) -> list:
     """Every process's `mine`, in process order (through the coordination service's key-value store)."""
     if jax.process_count() == 1:
         return [mine]
+    _gathers[0] += 1
+    prefix = f"moejax/local_tier/{_gathers[0]}/{key}"
     client = _kv_client()
-    client.key_value_set(f"moejax/local_tier/{key}/{jax.process_index()}", json.dumps(mine))
-    return [json.loads(client.blocking_key_value_get(f"moejax/local_tier/{key}/{p}", int(timeout_s * 1000)))
+    client.key_value_set(f"{prefix}/{jax.process_index()}", json.dumps(mine))
+    return [json.loads(client.blocking_key_value_get(f"{prefix}/{p}", int(timeout_s * 1000)))
             for p in range(jax.process_count())]
+
+
+def run_id(workdir: Path) -> str:
+    """WORKDIR's run id (created by its first run, kept in WORKDIR/local_tier_id), the same on every process: a
+    WORKDIR deleted and started again is a new run, which must not resume from the old run's local steps."""
+    mine = None
+    if jax.process_index() == 0:
+        path = workdir / "local_tier_id"
+        if not path.is_file():
+            path.write_text(uuid.uuid4().hex[:12] + "\n")
+        mine = path.read_text().strip()
+    return _all_gather_json("run_id", mine)[0]
 
 
 def peer_offset() -> tuple[int, str]:
@@ -103,8 +122,7 @@ def peer_offset() -> tuple[int, str]:
 class LocalTier:
     def __init__(self, local_dir: str | Path, workdir: Path, *, every_steps: int, keep: int):
         workdir = Path(workdir).absolute()
-        run = f"{workdir.name}-{hashlib.sha256(str(workdir).encode()).hexdigest()[:8]}"
-        self.base = Path(local_dir) / run
+        self.base = Path(local_dir) / f"{workdir.name}-{run_id(workdir)}"
         self.root = self.base / f"process_{jax.process_index()}"
         self.every_steps, self.keep = int(every_steps), max(1, int(keep))
         self.offset, self.note = peer_offset()
