@@ -110,13 +110,16 @@ def peer_offset() -> tuple[int, str]:
     """(offset to the process that keeps this one's copy, a note when the copy stays on the same host)."""
     n = jax.process_count()
     hosts = _all_gather_json("hosts", socket.gethostname())
-    per_host = hosts.count(hosts[jax.process_index()])
+    per_host = {hosts.count(h) for h in hosts}  # the same answer on every process: every one must permute alike
     if n == 1:
         return 0, "one process: the local tier has no peer copy"
-    if per_host % n == 0:
+    if per_host == {n}:
         return 1, ("every process runs on one host: each keeps the next process's copy (covers a lost process, "
                    "not a lost host)")
-    return per_host, ""
+    if len(per_host) > 1:
+        return 1, ("the hosts run different numbers of processes: each keeps the next process's copy, which may be on "
+                   "the same host")
+    return per_host.pop(), ""
 
 
 class LocalTier:
