@@ -52,7 +52,7 @@ def supervised(workdir, local, *, kill_after_step=None, sig=signal.SIGKILL, peer
 
 @pytest.mark.slow
 def test_a_killed_process_is_restarted_from_the_local_tier_and_a_lost_local_dir_from_its_peer(tmp_path):
-    """Slow (about 75 s on 2 cores): two 2-process jobs, each restarted once."""
+    """Slow (about 55 s on 2 cores alone): two 2-process jobs, the first restarted once."""
     workdir, local = tmp_path / "run", tmp_path / "local"
     kill_at = random.choice([7, 8])  # after the local save at step 6, before the one at 9
     code, out = supervised(workdir, local, kill_after_step=kill_at)
@@ -71,18 +71,18 @@ def test_a_killed_process_is_restarted_from_the_local_tier_and_a_lost_local_dir_
     # A lost node: process 1's local directory is gone, and the persistent tier has only the final step, which a
     # person removed to go back. The resumed job has local saves at 6 (from before the kill) and 9: step 9 wins,
     # process 1's shards come back from process 0's copy. In that job process 1 freezes (SIGSTOP) after step 10: its
-    # heartbeat stops, process 0 exits 6 within guards.peer_timeout_s, the supervisor kills the frozen process and
-    # restarts; the job resumes at 9 again.
+    # heartbeat stops and process 0 exits 6 within guards.peer_timeout_s (no restart asked for this time: the
+    # supervisor kills the frozen process and ends with the cause).
     shutil.rmtree(workdir / "checkpoints")
     lost = [p for p in local.glob("*/process_1")]
     assert len(lost) == 1 and sorted(int(p.name) for p in lost[0].iterdir()) == [6, 9]
     shutil.rmtree(lost[0])
-    code, out = supervised(workdir, local, kill_after_step=10, sig=signal.SIGSTOP, peer_timeout_s=5)
-    assert code == 0, out[-3000:]
-    assert out.count("restoring step 9 from the local tier; process 1's shards sent back by process 0") == 2, out[-3000:]
+    code, out = supervised(workdir, local, kill_after_step=10, sig=signal.SIGSTOP, peer_timeout_s=5, max_restarts=0)
+    assert code == 6, out[-3000:]
+    assert "restoring step 9 from the local tier; process 1's shards sent back by process 0" in out, out[-3000:]
     assert re.search(r"lost a peer process: process 1 sent no heartbeat for \d+s \(guards.peer_timeout_s=5\)", out)
-    assert "[launch] process 0 exited with 6 (lost a peer process); restart 1/1" in out
+    assert "[launch] process 0 exited with 6 (lost a peer process); no restarts left (--max_restarts 0)" in out
     again = records(workdir)[len(logged):]
-    assert {step for step, _ in again} == {10, 11, 12}
-    for step, loss in again:  # before the freeze and after the restart
+    assert again and {step for step, _ in again} <= {10, 11, 12}
+    for step, loss in again:  # trained from the step the peer's copy restored: the same losses, bitwise
         assert loss == resumed[step], (step, loss, resumed[step])
