@@ -290,7 +290,9 @@ def _read_leaf(step_dir: Path, index: dict, i: int, name: str) -> dict:
     out = {}
     for where, offset, nbytes in leaf[name]:
         key = tuple(tuple(pair) for pair in where)
-        out[key] = np.frombuffer(data[offset:offset + nbytes], dtype=dtype).reshape([b - a for a, b in key])
+        # copied out of the read-only map: a CPU device_put may alias host memory, and the restored state is
+        # donated to (written by) the first step
+        out[key] = np.frombuffer(data[offset:offset + nbytes], dtype=dtype).reshape([b - a for a, b in key]).copy()
     return out
 
 

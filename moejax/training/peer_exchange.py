@@ -104,7 +104,9 @@ def exchange_leaf(leaf: jax.Array, perm: tuple[tuple[int, int], ...]) -> tuple[d
     width = max(1, max(index_size(i) for i in indices.values()))
     own, blocks = {}, {}
     for shard in leaf.addressable_shards:
-        host = np.asarray(shard.data)
+        # a copy: on CPU np.asarray may alias the device buffer, which the next step reuses (the state is donated)
+        # while the background writer still reads it
+        host = np.array(shard.data)
         own.setdefault(shard_index(shard.index, shape), host)
         blocks[shard.device] = host
     received = send_blocks(blocks, dtype, width, perm)
