@@ -25,8 +25,9 @@ import sys
 import threading
 import time
 
+from moejax.training.restart_policy import LOST_PEER, cause, should_restart
 
-LOST_PEER = 6  # moejax-train's exit code when another process of the job is gone
+
 KILL_AFTER_S = 5  # after a failure, the others get SIGTERM (a survivor is left with a dead peer), then SIGKILL
 
 
@@ -119,8 +120,6 @@ def supervise(num_processes: int, devices_per_process: int, train_args: list[str
               port: int | None = None) -> int:
     """Runs the job; after a failure a restart would help with (moejax.training.restart_policy), starts every
     process again, up to max_restarts times. Each restart is logged with its cause and the step it resumed at."""
-    from moejax.training.restart_policy import cause, should_restart
-
     restarts = _Restarts()
     for attempt in range(max_restarts + 1):
         code, failed = launch(num_processes, devices_per_process, train_args, port, restarts=restarts)

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.data.shards import crc32_file
-from moejax.training.peer_exchange import exchange_leaf, peer_process, return_leaf, shard_index
+from moejax.training.peer_exchange import exchange_leaf, own_shards, peer_process, return_leaf, shard_index
 
 INDEX = "index.json"
 TMP_SUFFIX = ".tmp"
@@ -150,7 +150,7 @@ class LocalTier:
             if perm:
                 mine, theirs = exchange_leaf(leaf, perm)
             else:
-                mine, theirs = _own_shards(leaf), {}
+                mine, theirs = own_shards(leaf), {}
             own.append(mine)
             peer.append(theirs)
         index = {"step": step, "process": me, "process_count": n,
@@ -272,13 +272,6 @@ class LocalTier:
                       for d, idx in sharding.addressable_devices_indices_map(tuple(abstract.shape)).items()]
             restored.append(jax.make_array_from_single_device_arrays(tuple(abstract.shape), sharding, arrays))
         return jax.tree.unflatten(treedef, restored)
-
-
-def _own_shards(leaf) -> dict:
-    out = {}
-    for shard in leaf.addressable_shards:
-        out.setdefault(shard_index(shard.index, tuple(leaf.shape)), np.array(shard.data))
-    return out
 
 
 def _read_leaf(step_dir: Path, index: dict, i: int, name: str) -> dict:

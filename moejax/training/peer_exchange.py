@@ -96,38 +96,48 @@ def peer_process(owner: int, offset: int, process_count: int) -> int:
     return (owner + offset) % process_count
 
 
+def own_shards(leaf: jax.Array) -> dict:
+    """{ShardIndex: host array}: the distinct shards of `leaf` this process's devices hold. Copies: on CPU np.asarray
+    may alias the device buffer, which the next step reuses (the state is donated) while a background writer reads."""
+    out = {}
+    for shard in leaf.addressable_shards:
+        out.setdefault(shard_index(shard.index, tuple(leaf.shape)), np.array(shard.data))
+    return out
+
+
+def _layout(array_sharding, shape) -> tuple[dict, int]:
+    """({device: ShardIndex} over the job, the block width: the largest shard's element count)."""
+    indices = device_indices(array_sharding, tuple(shape))
+    return indices, max(1, max(index_size(i) for i in indices.values()))
+
+
+def _unpack(received: dict, indices: dict, source: int) -> dict:
+    """{ShardIndex: array} of the blocks this process's devices received, each the shard that local device j of
+    process `source` holds."""
+    grid = process_grid(tuple(jax.devices()))
+    out = {}
+    for j, d in enumerate(grid[jax.process_index()]):
+        index = indices[grid[source][j]]
+        out.setdefault(index, received[d][:index_size(index)].reshape([b - a for a, b in index]))
+    return out
+
+
 def exchange_leaf(leaf: jax.Array, perm: tuple[tuple[int, int], ...]) -> tuple[dict, dict]:
     """(this process's own unique shards of `leaf`, the unique shards the process sending to it owns), each as
     {ShardIndex: host array}. perm: (owner, holder) pairs."""
-    shape, dtype = tuple(leaf.shape), leaf.dtype
-    indices = device_indices(leaf.sharding, shape)
-    width = max(1, max(index_size(i) for i in indices.values()))
-    own, blocks = {}, {}
-    for shard in leaf.addressable_shards:
-        # a copy: on CPU np.asarray may alias the device buffer, which the next step reuses (the state is donated)
-        # while the background writer still reads it
-        host = np.array(shard.data)
-        own.setdefault(shard_index(shard.index, shape), host)
-        blocks[shard.device] = host
-    received = send_blocks(blocks, dtype, width, perm)
+    indices, width = _layout(leaf.sharding, leaf.shape)
+    own = own_shards(leaf)
+    blocks = {shard.device: own[shard_index(shard.index, tuple(leaf.shape))] for shard in leaf.addressable_shards}
+    received = send_blocks(blocks, leaf.dtype, width, perm)
     sender = {holder: owner for owner, holder in perm}.get(jax.process_index())
-    theirs = {}
-    if sender is not None:
-        grid = process_grid(tuple(jax.devices()))
-        for j, d in enumerate(grid[jax.process_index()]):
-            index = indices[grid[sender][j]]
-            if index not in theirs:
-                theirs[index] = received[d][:index_size(index)].reshape([b - a for a, b in index])
-    return own, theirs
+    return own, ({} if sender is None else _unpack(received, indices, sender))
 
 
 def return_leaf(shape, dtype, array_sharding, held: dict | None, perm: tuple[tuple[int, int], ...]) -> dict:
     """The reverse trip: each holder sends the copy it keeps (`held`: {ShardIndex: host array} of the owner's
     shards, None when it keeps none that is needed) back to its owner. perm: (holder, owner) pairs. Returns
     {ShardIndex: host array} of the shards this process received (empty when it received none)."""
-    shape = tuple(shape)
-    indices = device_indices(array_sharding, shape)
-    width = max(1, max(index_size(i) for i in indices.values()))
+    indices, width = _layout(array_sharding, shape)
     grid = process_grid(tuple(jax.devices()))
     me = jax.process_index()
     owner = dict(perm).get(me)
@@ -136,10 +146,4 @@ def return_leaf(shape, dtype, array_sharding, held: dict | None, perm: tuple[tup
         for j, d in enumerate(grid[me]):
             blocks[d] = held[indices[grid[owner][j]]]
     received = send_blocks(blocks, jnp.dtype(dtype), width, perm)
-    if me not in {o for _, o in perm}:
-        return {}
-    mine = {}
-    for d in grid[me]:
-        index = indices[d]
-        mine.setdefault(index, received[d][:index_size(index)].reshape([b - a for a, b in index]))
-    return mine
+    return _unpack(received, indices, me) if me in {o for _, o in perm} else {}

@@ -22,7 +22,7 @@ import time
 
 import jax
 
-LOST_PEER_EXIT_CODE = 6
+from moejax.training.restart_policy import LOST_PEER as LOST_PEER_EXIT_CODE
 KEY = "moejax/alive/"
 
 

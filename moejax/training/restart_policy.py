@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import signal
 
+LOST_PEER = 6  # moejax-train's exit when another process of the job is gone (peer_monitor.py)
 # exit code -> why the job ends for good
 FINAL = {0: "done", 2: "bad configuration or input", 3: "too many consecutive non-finite steps",
          130: "stopped by SIGINT", 143: "stopped by SIGTERM"}
 # exit code -> cause, for the restartable codes moejax itself documents
 KNOWN = {4: "could not join the multi-process job", 5: "watchdog: no step finished within guards.step_timeout_s",
-         6: "lost a peer process"}
+         LOST_PEER: "lost a peer process"}
 
 
 def cause(code: int) -> str:
