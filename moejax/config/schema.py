@@ -14,13 +14,13 @@ MESH_AXES = ("stage", "data", "fsdp", "context", "expert", "tensor")
 # float16 is not offered: its 5-bit exponent needs dynamic loss scaling, which moejax does not implement;
 # bfloat16 has float32's range and trains without it.
 DTYPES = ("float32", "bfloat16")
-FP8_FORMATS = ("none", "blockwise", "rowwise", "mxfp8")  # moejax.kernels.fp8.FORMATS (this module stays jax-free)
+FP8_FORMATS = ("none", "blockwise", "rowwise", "tensorwise", "mxfp8")  # moejax.kernels.fp8.FORMATS (this module stays jax-free)
 SCORE_FUNCS = ("sigmoid", "softmax")
 DISPATCH_MODES = ("capacity", "allgather", "dropless")
 DROP_POLICIES = ("position", "probability")
 # Kernels (moejax/kernels/): `auto` resolves from the platform of the mesh's devices (kernels.resolve).
 ATTENTION_KERNELS = ("auto", "xla", "cudnn", "tokamax_mosaic", "tokamax_triton")
-EXPERT_GEMM_KERNELS = ("auto", "einsum", "tile_loop", "ragged_dot", "tokamax")
+EXPERT_GEMM_KERNELS = ("auto", "einsum", "tile_loop", "ragged_dot", "tokamax", "te")
 LOSS_KERNELS = ("auto", "dense", "chunked")
 # Remat policies (docs/memory.md): none keeps everything; full keeps each block's input only; dots keeps the
 # unbatched matmul outputs; attention keeps core attention's output; moe keeps that, the expert all-to-all results
@@ -88,9 +88,10 @@ def default_config() -> ml_collections.ConfigDict:
     m.param_dtype = "float32"
     # FP8 GEMMs in training (README, "FP8"): none | blockwise (DeepSeek-V3: 1x128 / 128x128 e4m3, Hopper+; below
     # bf16 speed on GPUs, measured) | rowwise (one e4m3 scale per row along each GEMM's contraction, Hopper+: the
-    # fast one on Hopper) | mxfp8 (32-element E8M0 blocks, Blackwell). Projections, dense/shared/routed expert FFNs;
-    # not the router,
-    # norms, attention softmax, embedding or LM head.
+    # fast one on Hopper) | tensorwise (one scale per tensor from its current amax, e4m3 forward, e5m2 gradients:
+    # Transformer Engine's current scaling, its FP8 grouped GEMM on Hopper) | mxfp8 (32-element E8M0 blocks,
+    # Blackwell). Projections, dense/shared/routed expert FFNs; not the router, norms, attention softmax, embedding
+    # or LM head.
     m.fp8 = "none"
     m.remat = "full"
     m.init_std = 0.02
@@ -127,7 +128,9 @@ def default_config() -> ml_collections.ConfigDict:
     # at start and written resolved into WORKDIR/config.json; a kernel the platform cannot run is a ConfigError.
     c.kernels = k = ml_collections.ConfigDict()
     k.attention = "auto"  # cpu: xla; gpu: tokamax_mosaic (flash attention, MLA's 192/128 head dims, segments)
-    k.expert_gemm = "auto"  # equal groups (capacity, allgather): einsum; dropless: tokamax on gpu, tile_loop on cpu
+    # expert_gemm auto: equal groups (capacity, allgather): einsum; dropless: tokamax on gpu, tile_loop on cpu; with
+    # FP8 on gpu: te (NVIDIA Transformer Engine's grouped GEMM) where installed, else einsum (qwix)
+    k.expert_gemm = "auto"
     k.loss = "auto"  # chunked: LM head + cross-entropy per chunk, no [B, L, V] logits; dense: whole logits
     k.loss_chunk = 512  # chunked loss: sequence positions of every row per chunk
 

@@ -9,6 +9,10 @@ Three formats (`model.fp8`):
              in f32: the scales factor out of the sum, so each GEMM is one f8 x f8 GEMM with its scales applied after
              it (cuBLASLt FP8 on Hopper). Coarser than blockwise (one scale per up to d_ff elements instead of 128);
              on an H200 one 8192 x 7168 x 2048 GEMM fwd+bwd ran 2.17x bf16 where blockwise ran 0.35x (README, FP8).
+  tensorwise one scale per tensor from its current amax (amax / the format's max, f32), e4m3 in the forward and
+             e5m2 for the gradients (the "hybrid" format): Transformer Engine's current scaling, which its FP8 grouped
+             GEMM runs on Hopper (kernels.expert_gemm='te', kernels/te_gemm.py). A batched operand [G, M, K] has one
+             scale per g (each expert's weights, each expert's rows).
   mxfp8      OCP microscaling as NVIDIA trains with it on Blackwell (arXiv 2506.08027): every operand scaled per 1 x 32
              block along the contraction by a power of two (E8M0), rounded up (2^ceil(log2(amax / 448))) so no
              value saturates; each GEMM re-quantises its operands along its own contraction. On GPUs the GEMM is
@@ -45,8 +49,9 @@ import qwix
 
 from moejax.kernels.varying import cotangent, mark_varying, varying
 
-FORMATS = ("none", "blockwise", "rowwise", "mxfp8")
+FORMATS = ("none", "blockwise", "rowwise", "tensorwise", "mxfp8")
 E4M3 = jnp.float8_e4m3fn
+E5M2 = jnp.float8_e5m2  # tensorwise gradients
 E4M3_MAX = 448.0
 BLOCKWISE_TILE = 128  # DeepSeek-V3: 1 x 128 activation tiles, 128 x 128 weight blocks
 MXFP8_BLOCK = 32  # OCP MX: 32 elements share one E8M0 scale
@@ -94,11 +99,13 @@ def _pad(a, axis: int, length: int):
     return jnp.pad(a, widths)
 
 
-def quantize_rows(a_GxRxK, fmt: str) -> qwix.QArray:
+def quantize_rows(a_GxRxK, fmt: str, *, gradient: bool = False) -> qwix.QArray:
     """Each row's 1 x tile blocks along the last (contraction) axis, zero-padded to whole tiles; scales f32.
-    rowwise: the whole row is the one block."""
+    rowwise: the whole row is the one block; tensorwise: each [R, K] matrix is (e5m2 for a gradient)."""
     if fmt == "rowwise":
         return qwix.quantize(a_GxRxK.astype(jnp.float32), E4M3, channelwise_axes=(0, 1))
+    if fmt == "tensorwise":
+        return qwix.quantize(a_GxRxK.astype(jnp.float32), E5M2 if gradient else E4M3, channelwise_axes=(0,))
     tile, padded = _tile(a_GxRxK.shape[2], fmt)
     qtype = "mxfp8" if fmt == "mxfp8" else E4M3
     return qwix.quantize(_pad(a_GxRxK.astype(jnp.float32), 2, padded), qtype, channelwise_axes=(0, 1),
@@ -132,14 +139,16 @@ def _qdot(a_q, b_q):
     return qwix.dot_general(a_q, b_q, dims, preferred_element_type=jnp.float32)
 
 
-def quantized_gemm(a_GxRxK, b_GxCxK, fmt: str, *, b_is_weight: bool):
+def quantized_gemm(a_GxRxK, b_GxCxK, fmt: str, *, b_is_weight: bool, a_is_grad: bool = False,
+                   b_is_grad: bool = False):
     """a . b^T over the last axis with both operands in FP8 (f32 result): the one GEMM every forward and
-    backward product below reduces to. b_is_weight selects the blockwise recipe's 128 x 128 weight blocks."""
-    a_q = quantize_rows(a_GxRxK, fmt)
+    backward product below reduces to. b_is_weight selects the blockwise recipe's 128 x 128 weight blocks; the
+    *_is_grad flags the tensorwise recipe's e5m2 gradients."""
+    a_q = quantize_rows(a_GxRxK, fmt, gradient=a_is_grad)
     if fmt == "blockwise" and b_is_weight:
         b_q = quantize_weight_blocks(b_GxCxK)
     else:
-        b_q = quantize_rows(b_GxCxK, fmt)
+        b_q = quantize_rows(b_GxCxK, fmt, gradient=b_is_grad)
     if fmt == "mxfp8":
         # XLA:CPU (jax 0.10) has no lowering for scaled_matmul: pick by the platform being compiled for.
         return jax.lax.platform_dependent(a_q, b_q, cuda=lambda a, b: _mxfp8_scaled_matmul(a, b),
@@ -165,9 +174,10 @@ def _fp8_matmul_fwd(x_GxMxK, w_GxKxN, fmt):
 def _fp8_matmul_bwd(fmt, residuals, dy_GxMxN):
     x_GxMxK, w_GxKxN = residuals
     # dgrad: dy (1 x tile along N) . w's blocks (the same 128 x 128 blocks, now contracted along N)
-    dx = quantized_gemm(dy_GxMxN, w_GxKxN, fmt, b_is_weight=True)
+    dx = quantized_gemm(dy_GxMxN, w_GxKxN, fmt, b_is_weight=True, a_is_grad=True)
     # wgrad: contraction over the tokens, so x and dy are tiled along M (DeepSeek's 128 x 1 tiles)
-    dw = quantized_gemm(jnp.swapaxes(x_GxMxK, 1, 2), jnp.swapaxes(dy_GxMxN, 1, 2), fmt, b_is_weight=False)
+    dw = quantized_gemm(jnp.swapaxes(x_GxMxK, 1, 2), jnp.swapaxes(dy_GxMxN, 1, 2), fmt, b_is_weight=False,
+                        b_is_grad=True)
     # Inside shard_map: each cotangent summed over the mesh axes its primal is invariant on (e.g. tensor).
     return (cotangent(dx.astype(x_GxMxK.dtype), varying(dy_GxMxN) | varying(w_GxKxN), x_GxMxK),
             cotangent(dw.astype(w_GxKxN.dtype), varying(x_GxMxK) | varying(dy_GxMxN), w_GxKxN))

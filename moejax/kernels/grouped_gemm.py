@@ -11,6 +11,9 @@
               only the tiles holding rows (`looped_expert_ffn`): the work follows the step's load, not the
               receive window (XLA:CPU, where a loop iteration costs microseconds; dropless on CPU). Equal groups
               (capacity, allgather) run as `einsum`.
+  te          NVIDIA Transformer Engine's grouped GEMM (te_gemm.py): bf16, or FP8 by model.fp8 (tensorwise on
+              Hopper, MXFP8 on Blackwell) in the forward and both backward GEMMs; rows grouped by expert with each
+              group padded to 128 rows by the dispatch's layout.
   tokamax     tokamax's grouped GEMM (`tokamax.ragged_dot`, Mosaic GPU kernels for sm90 / sm100): work in
               proportion to the rows present, for dropless dispatch. The forward and the input gradient are
               tokamax kernels on both; the weight gradient (each expert's x^T dy, the ragged dim contracted) is
@@ -25,7 +28,8 @@ from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
 from moejax.kernels import fp8
-from moejax.kernels.resolve import TOKAMAX_GEMM_TILE
+from moejax.kernels import te_gemm
+from moejax.kernels.resolve import TE_ALIGN, TOKAMAX_GEMM_TILE
 from moejax.kernels.varying import cotangent as _cotangent
 from moejax.kernels.varying import int_cotangent as _int_cotangent
 from moejax.kernels.varying import mark_varying as _mark_varying
@@ -35,8 +39,8 @@ from moejax.remat_names import EXPERT_GEMM
 
 
 def row_multiple(kernel: str) -> int:
-    """Rows a ragged grouped GEMM's row buffers are a multiple of."""
-    return TOKAMAX_GEMM_TILE if kernel == "tokamax" else 8
+    """Rows a grouped GEMM's row buffers are a multiple of (te: each group's rows, capacity's C included)."""
+    return {"tokamax": TOKAMAX_GEMM_TILE, "te": TE_ALIGN}.get(kernel, 8)
 
 
 # tokamax's implementation: its Mosaic GPU kernel. Explicit, so tokamax skips its default-device check, which a
@@ -297,6 +301,8 @@ def expert_ffn(x_ExCxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, kernel: str, 
     if kernel in ("einsum", "tile_loop"):  # equal groups: one batched GEMM, nothing for a loop to skip
         y_ExCxD = _einsum_ffn(x_ExCxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
         return jax.lax.psum(y_ExCxD, ffn_axis) if ffn_axis else y_ExCxD
+    if kernel == "te":
+        return te_gemm.equal_groups_ffn(x_ExCxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, ffn_axis=ffn_axis)
     n_experts, capacity, d_model = x_ExCxD.shape
     group_sizes_E = jnp.full((n_experts,), capacity, dtype=jnp.int32)
     y_RxD = ragged_expert_ffn(x_ExCxD.reshape(n_experts * capacity, d_model), w_gate_ExDxF, w_up_ExDxF,

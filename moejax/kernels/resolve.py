@@ -21,8 +21,23 @@ GPU_EXTRA = "pip install 'moejax[gpu]' (Python >= 3.12)"
 CUDNN_MAX_HEAD_DIM = 128
 
 
+TE_INSTALL = ("`make install-te` (builds NVIDIA Transformer Engine's JAX extension into .venv-gpu; on GPU hosts "
+              "NVIDIA's JAX containers ship it: docs/kernels.md)")
+# Transformer Engine's grouped GEMM: which model.fp8 formats it runs (its JAX side has no DeepSeek 128 x 128 blockwise
+# and no rowwise scaling), and the row/dim alignment its MXFP8 kernels need (32-element blocks, scales padded to
+# 128 x 4; the cuBLAS grouped GEMM's setup reads each group's scales at 128-row offsets).
+TE_FP8_FORMATS = ("none", "tensorwise", "mxfp8")
+TE_ALIGN = 128
+
+
 def tokamax_available() -> bool:
     return importlib.util.find_spec("tokamax") is not None
+
+
+def te_available() -> bool:
+    """Transformer Engine with its JAX extension (the `transformer_engine_jax` module the sdist builds)."""
+    return (importlib.util.find_spec("transformer_engine") is not None
+            and importlib.util.find_spec("transformer_engine_jax") is not None)
 
 
 def _platform(platform: str | None) -> str:
@@ -87,7 +102,7 @@ def _fp8(cfg, platform: str, compute_capability: float | None) -> str:
         return fmt
     if platform not in ("cpu", "gpu"):
         raise ConfigError(f"model.fp8={fmt!r} targets NVIDIA GPUs (and CPU emulation); the mesh's devices are {platform}")
-    need = {"blockwise": 8.9, "rowwise": 8.9, "mxfp8": 10.0}[fmt]
+    need = {"blockwise": 8.9, "rowwise": 8.9, "tensorwise": 8.9, "mxfp8": 10.0}[fmt]
     if platform == "gpu" and compute_capability is not None and compute_capability < need:
         raise ConfigError(f"model.fp8={fmt!r} needs compute capability >= {need} (FP8 tensor cores"
                           f"{', block-scaled: Blackwell' if fmt == 'mxfp8' else ''}); these GPUs are "
@@ -99,14 +114,18 @@ def _fp8(cfg, platform: str, compute_capability: float | None) -> str:
 def _expert_gemm(cfg, platform: str, compute_capability: float | None = None) -> str:
     kernel = cfg.kernels.expert_gemm
     ragged = cfg.moe.dispatch == "dropless"
-    if cfg.model.get("fp8", "none") != "none":
-        # FP8 expert GEMMs are qwix-quantised einsums (kernels/fp8.py). tokamax 0.0.17 has no FP8 x FP8 ragged
-        # kernel: its sm100 "fp8" kernel takes e4m3 activations with int4 weights, its other quantised kernels
-        # (sm90, sm100) dequantise int weights to bf16, and its bf16 kernels check for bf16/f16 operands.
+    fmt = cfg.model.get("fp8", "none")
+    if kernel == "te" or (kernel == "auto" and fmt in TE_FP8_FORMATS[1:] and platform == "gpu" and te_available()):
+        return _te(cfg, platform, kernel)
+    if fmt != "none":
+        # FP8 expert GEMMs are Transformer Engine's grouped GEMM (above) or qwix-quantised einsums (kernels/fp8.py).
+        # tokamax 0.0.17 has no FP8 x FP8 ragged kernel: its sm100 "fp8" kernel takes e4m3 activations with int4
+        # weights, its other quantised kernels (sm90, sm100) dequantise int weights to bf16, and its bf16 kernels
+        # check for bf16/f16 operands.
         if kernel in ("tokamax", "ragged_dot", "tile_loop"):
-            raise ConfigError(f"kernels.expert_gemm={kernel!r} with model.fp8={cfg.model.fp8!r}: the FP8 expert GEMM is "
-                              "the einsum one (qwix; tokamax 0.0.17 has no e4m3 x e4m3 grouped GEMM); use "
-                              "kernels.expert_gemm='einsum' or 'auto'")
+            raise ConfigError(f"kernels.expert_gemm={kernel!r} with model.fp8={fmt!r}: the FP8 expert GEMMs are "
+                              "Transformer Engine's grouped GEMM ('te') or qwix's einsum (tokamax 0.0.17 has no e4m3 "
+                              "x e4m3 grouped GEMM); use kernels.expert_gemm='te', 'einsum' or 'auto'")
         return "einsum"
     if kernel == "auto":
         # Capacity and allgather buffers are [E_local, C, D] with equal groups: a batched GEMM (cuBLAS on GPU)
@@ -134,6 +153,27 @@ def _expert_gemm(cfg, platform: str, compute_capability: float | None = None) ->
                                   f"{name} ({dim} per tensor shard) must be below or a multiple of it; change it or "
                                   "use kernels.expert_gemm='einsum'")
     return kernel
+
+
+def _te(cfg, platform: str, asked: str) -> str:
+    """kernels.expert_gemm='te' (asked, or `auto` with FP8 on GPUs where it is installed) checked."""
+    fmt = cfg.model.get("fp8", "none")
+    _need_gpu("expert_gemm", "te", platform)
+    if not te_available():
+        raise ConfigError(f"kernels.expert_gemm='te' needs NVIDIA Transformer Engine with its JAX extension, which is "
+                          f"not installed: {TE_INSTALL}")
+    if fmt not in TE_FP8_FORMATS:
+        raise ConfigError(f"kernels.expert_gemm='te' with model.fp8={fmt!r}: Transformer Engine's JAX grouped GEMM has "
+                          "no blockwise or rowwise scaling; use model.fp8='mxfp8' (Blackwell), 'tensorwise' (Hopper) or "
+                          "'none', or kernels.expert_gemm='einsum'")
+    tensor = max(1, int(cfg.mesh.tensor))
+    dims = {"model.d_model": int(cfg.model.d_model), "moe.d_ff_expert": int(cfg.moe.d_ff_expert) // tensor}
+    for name, dim in dims.items():
+        if dim % TE_ALIGN:
+            raise ConfigError(f"kernels.expert_gemm='te': {name} ({dim} per tensor shard) must be a multiple of "
+                              f"{TE_ALIGN} (Transformer Engine's grouped GEMM layouts); change it or use "
+                              "kernels.expert_gemm='einsum'")
+    return "te"
 
 
 # moe.exchange_chunks=0 (auto) for dropless on GPUs with expert parallelism: two slices per exchange. In the

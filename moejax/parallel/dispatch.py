@@ -63,7 +63,10 @@ def _buffer_rows(mode, tokens_per_device, top_k, n_experts, ep, capacity_factor,
                                     grouped_gemm.row_multiple(gemm))
     # allgather: each expert sees the tokens of its whole expert group.
     seen = tokens_per_device * ep if mode == "allgather" else tokens_per_device
-    return capacity_per_expert(seen, top_k, n_experts, capacity_factor)
+    capacity = capacity_per_expert(seen, top_k, n_experts, capacity_factor)
+    if gemm == "te":  # each expert's slots a whole number of Transformer Engine's row groups (more slots, no copy)
+        return -(-capacity // grouped_gemm.row_multiple(gemm)) * grouped_gemm.row_multiple(gemm)
+    return capacity
 
 
 def _plan(expert_idx_TxK, expert_w_TxK, n_experts, capacity, drop_policy):
@@ -212,10 +215,11 @@ def _untyped_dispatch(mesh, mode: str, gemm: str) -> bool:
     - with tokamax's grouped GEMM: its Blackwell kernels are Pallas mpmd_maps, which refuse inputs typed as
       varying over a mesh axis ("mpmd_map does not support Refs with varying manual axis types"); every array
       inside the dispatch is. One path for tokamax on every GPU, so Hopper runs the same program shape.
+    - with Transformer Engine's grouped GEMM: its primitives' abstract evaluation drops the varying-axis types.
     - dropless inside pipeline stages (dropless._count_at_most: jax mis-types varying axes under the stages' vmap).
     The dispatch code types nothing it relies on: its collectives are explicit, the custom VJPs' varying marks are
     no-ops untyped, and _weights_for_compute leaves the replica sum to shard_map's transpose."""
-    return gemm == "tokamax" or (mode == "dropless" and inside_pipeline_stage(mesh))
+    return gemm in ("tokamax", "te") or (mode == "dropless" and inside_pipeline_stage(mesh))
 
 
 _MODES = {"capacity": _capacity_moe, "allgather": _allgather_moe, "dropless": _dropless_moe}

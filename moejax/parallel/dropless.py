@@ -25,7 +25,7 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
-from moejax.kernels import fp8, grouped_gemm
+from moejax.kernels import fp8, grouped_gemm, te_gemm
 from moejax.kernels.varying import int_cotangent as _int_cotangent
 from moejax.parallel.mesh import EXPERT_AXIS, inside_pipeline_stage, mesh_platform, token_axes
 from moejax.parallel.routing_plan import argsort_stable, combine_rows, dispatch_rows
@@ -306,11 +306,17 @@ def window_expert_ffn(x_RxD, expert_R, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *
                                                kernel=gemm, ffn_axis=ffn_axis)
         return dispatch_rows(y_RxD, order_R, rank_R, 1)
     # einsum: block-diagonal tiles (megablox-style), each expert's rows padded to whole tiles, so the work is the
-    # window plus under one tile per expert, not every expert padded to the window.
-    tile = tile_rows(n_rows, n_local)
+    # window plus under one tile per expert, not every expert padded to the window. te: the same layout with
+    # 128-row tiles, as Transformer Engine's grouped GEMM takes it (each group a multiple of 128 rows, the sizes
+    # summing to the slots: the tiles past the load belong to the last expert, zero rows that come out zero).
+    tile = grouped_gemm.row_multiple(gemm) if gemm == "te" else tile_rows(n_rows, n_local)
     n_slots = -(-(n_rows + n_local * (tile - 1)) // tile) * tile
     slot_R, src_S, tile_expert_N, n_used = _tile_plan(expert_R, n_local, tile, n_slots, in_stage)
     weights = (w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
+    if gemm == "te":
+        sizes_L = jnp.bincount(tile_expert_N, length=n_local).astype(jnp.int32) * tile
+        y_SxD = te_gemm.expert_ffn(dispatch_rows(x_RxD, slot_R, src_S, 1), *weights, sizes_L, ffn_axis=ffn_axis)
+        return dispatch_rows(y_SxD, src_S, slot_R, 1)
     if gemm == "tile_loop":  # only the n_used tiles that hold rows, gathered by the loop: the work follows the load
         return grouped_gemm.looped_expert_ffn(x_RxD, src_S, tile_expert_N, n_used, *weights, ffn_axis=ffn_axis)
     x_NxMxD = dispatch_rows(x_RxD, slot_R, src_S, 1).reshape(n_slots // tile, tile, -1)

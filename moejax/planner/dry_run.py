@@ -38,6 +38,14 @@ from moejax.program.state import abstract_state, model_graphdef, train_state_sha
 from moejax.program.step import jit_train_step
 
 
+@contextlib.contextmanager
+def _entered_together(*contexts):
+    with contextlib.ExitStack() as stack:
+        for context in contexts:
+            stack.enter_context(context)
+        yield
+
+
 def dry_run(cfg, n_devices: int, target: str | None = None, *, keep_hlo: bool = False, compile: bool = True) -> dict:
     """target None: n emulated CPU devices (XLA:CPU); 'h200' | 'b200' | 'gb300': n compile-only GPUs (XLA:GPU,
     planner/gpu_targets.py), with the kernels `auto` resolves to on GPUs. compile=False stops after lowering: the
@@ -58,6 +66,10 @@ def dry_run(cfg, n_devices: int, target: str | None = None, *, keep_hlo: bool = 
         compiling = contextlib.nullcontext()
     platform = devices_platform(devices)
     kernels_line = apply_kernels(cfg, platform, devices_compute_capability(devices))
+    if gpu and cfg.kernels.expert_gemm == "te":  # TE asks the machine's GPU what it runs on: answer the target's
+        from moejax.planner import te_deviceless
+
+        compiling = _entered_together(compiling, te_deviceless.for_target(gpu.compute_capability))
     mesh = make_mesh(sizes, devices, topology=gpu.topology if gpu else "cpu", domain_size=domain,
                      allow_cross_domain=bool(cfg.mesh.allow_cross_domain_experts))
     tx = make_optimizer(cfg.optim)
