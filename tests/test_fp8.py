@@ -89,6 +89,22 @@ def reference_mxfp8_rows(a_RxK, rounding="divide"):
     return full(q), full(scale)
 
 
+E5M2_UNIT_ROUNDOFF = 2.0 ** -3  # 2 mantissa bits
+E5M2_SUBNORMAL_HALF_SPACING = 2.0 ** -17  # subnormals are spaced 2^-16
+
+
+def reference_tensorwise(a_RxK, rounding="divide", dtype=ml_dtypes.float8_e4m3fn):
+    """Per-tensor current scaling (Transformer Engine's): one scale amax(tensor) / max(format) (1 for an all-zero
+    tensor), value = format(x / scale); e4m3 (448) forward, e5m2 (57344) for gradients."""
+    a = a_RxK.astype(np.float32)
+    top = np.float32(float(ml_dtypes.finfo(dtype).max))
+    amax = np.max(np.abs(a)).astype(np.float32)
+    scale = np.float32(amax / top if rounding == "divide" else amax * (np.float32(1.0) / top))
+    scale = np.float32(1.0) if scale < TINY_SCALE else scale
+    q = (a / scale).astype(dtype).astype(np.float32)
+    return q, np.full(a.shape, scale, np.float32)
+
+
 def reference_rowwise_rows(a_RxK, rounding="divide"):
     """One scale per row along the contraction: amax(row) / 448 (1 for an all-zero row), value = e4m3(x / scale)."""
     a = a_RxK.astype(np.float32)
@@ -148,6 +164,16 @@ def test_rowwise_rows_equal_the_reference(k):
     assert_equals_a_reference(got, reference_rowwise_rows, a)
 
 
+@pytest.mark.parametrize("gradient", [False, True], ids=["e4m3", "e5m2"])
+def test_tensorwise_equals_the_reference(gradient):
+    a = _hard_rows(np.random.default_rng(5), 6, 200)
+    q = fp8.quantize_rows(jnp.asarray(a)[None], "tensorwise", gradient=gradient)
+    dtype = ml_dtypes.float8_e5m2 if gradient else ml_dtypes.float8_e4m3fn
+    assert q.qvalue.dtype == dtype and q.scale.size == 1  # one scale for the tensor
+    got = (np.asarray(q.qvalue[0].astype(jnp.float32)), np.broadcast_to(np.asarray(q.scale[0]), a.shape))
+    assert_equals_a_reference(got, lambda a, rounding: reference_tensorwise(a, rounding, dtype), a)
+
+
 def _lowered_dots(fmt, m=256, k=384, n=320):
     """(operand element types, contraction length) of every dot in the lowered fwd+bwd of x [m, k] @ w [k, n]."""
     import re
@@ -171,21 +197,29 @@ def test_rowwise_gemms_are_one_fp8_dot_each_and_blockwise_ones_are_per_tile():
     f8 = "f8E4M3FN x f8E4M3FN"
     assert sorted(_lowered_dots("rowwise")) == [(f8, 256), (f8, 320), (f8, 384)]
     assert sorted(_lowered_dots("blockwise")) == [(f8, 128)] * 3
+    # tensorwise: one dot per GEMM, the gradient in e5m2 (dgrad dy . w^T over n, wgrad dy^T . x over m)
+    assert sorted(_lowered_dots("tensorwise")) == sorted([(f8, 384), ("f8E5M2 x f8E4M3FN", 320),
+                                                          ("f8E4M3FN x f8E5M2", 256)])
 
 
-def _error_bound(a_RxK, b_CxK, quant_a, quant_b):
+E4M3 = (E4M3_UNIT_ROUNDOFF, E4M3_SUBNORMAL_HALF_SPACING)
+E5M2 = (E5M2_UNIT_ROUNDOFF, E5M2_SUBNORMAL_HALF_SPACING)
+
+
+def _error_bound(a_RxK, b_CxK, quant_a, quant_b, format_a=E4M3, format_b=E4M3):
     """|fp8 a.b^T - a.b^T| <= sum_k |a||eb| + |b||ea| + |ea||eb|, with each quantised element within
-    u |x| + s 2^-10 of x (u = 2^-4: normal rounding; s 2^-10: half the subnormal spacing), plus f32 slack."""
+    u |x| + s h of x (e4m3: u = 2^-4, normal rounding; h = 2^-10, half the subnormal spacing; e5m2: 2^-3, 2^-17),
+    plus f32 slack."""
     _, sa = quant_a(a_RxK)
     _, sb = quant_b(b_CxK)
-    ea = E4M3_UNIT_ROUNDOFF * np.abs(a_RxK) + sa * E4M3_SUBNORMAL_HALF_SPACING
-    eb = E4M3_UNIT_ROUNDOFF * np.abs(b_CxK) + sb * E4M3_SUBNORMAL_HALF_SPACING
+    ea = format_a[0] * np.abs(a_RxK) + sa * format_a[1]
+    eb = format_b[0] * np.abs(b_CxK) + sb * format_b[1]
     a64, b64, ea, eb = (np.asarray(v, np.float64) for v in (a_RxK, b_CxK, ea, eb))
     slack = 1e-5 * np.abs(a64) @ np.abs(b64).T
     return np.abs(a64) @ eb.T + ea @ np.abs(b64).T + ea @ eb.T + slack
 
 
-@pytest.mark.parametrize("fmt", ["blockwise", "rowwise", "mxfp8"])
+@pytest.mark.parametrize("fmt", ["blockwise", "rowwise", "tensorwise", "mxfp8"])
 def test_every_fp8_gemm_stays_inside_its_scaling_bound(fmt):
     """Forward, activation gradient and weight gradient of x @ w, each against f64 and the bound its operands'
     scaling implies; and the error is that of FP8 (not zero), so the GEMMs did run quantised."""
@@ -196,17 +230,22 @@ def test_every_fp8_gemm_stays_inside_its_scaling_bound(fmt):
     dy = rng.standard_normal((m, n)).astype(np.float32)
     y, vjp = jax.vjp(lambda x, w: fp8.fp8_einsum("mk,kn->mn", x, w, fmt), jnp.asarray(x), jnp.asarray(w))
     dx, dw = vjp(jnp.asarray(dy))
-    rows = {"blockwise": reference_blockwise_rows, "rowwise": reference_rowwise_rows, "mxfp8": reference_mxfp8_rows}[fmt]
+    rows = {"blockwise": reference_blockwise_rows, "rowwise": reference_rowwise_rows, "mxfp8": reference_mxfp8_rows,
+            "tensorwise": reference_tensorwise}[fmt]
     weight = {"blockwise": reference_blockwise_weight}.get(fmt, rows)  # rowwise: per output column
-    products = {  # name: (fp8 result, a [R, K], b [C, K], how a and b are quantised)
-        "y": (y, x, w.T, rows, weight),
-        "dx": (dx, dy, w, rows, weight),
-        "dw": (dw.T, dy.T, x.T, rows, rows),  # dw^T = dy^T x: contraction over the tokens, both tiled along them
+    grads, grad_format = rows, E4M3
+    if fmt == "tensorwise":  # gradients in e5m2
+        grads, grad_format = (lambda a, rounding="divide": reference_tensorwise(a, rounding, ml_dtypes.float8_e5m2)), E5M2
+    products = {  # name: (fp8 result, a [R, K], b [C, K], how a and b are quantised, their formats)
+        "y": (y, x, w.T, rows, weight, E4M3, E4M3),
+        "dx": (dx, dy, w, grads, weight, grad_format, E4M3),
+        # dw^T = dy^T x: contraction over the tokens, both tiled along them
+        "dw": (dw.T, dy.T, x.T, grads, rows, grad_format, E4M3),
     }
-    for name, (got, a, b, qa, qb) in products.items():
+    for name, (got, a, b, qa, qb, fa, fb) in products.items():
         exact = np.asarray(a, np.float64) @ np.asarray(b, np.float64).T
         err = np.abs(np.asarray(got, np.float64) - exact)
-        assert np.all(err <= _error_bound(a, b, qa, qb)), name
+        assert np.all(err <= _error_bound(a, b, qa, qb, fa, fb)), name
         relative = np.linalg.norm(err) / np.linalg.norm(exact)
         assert 3e-3 < relative < 0.1, (name, relative)
 
@@ -243,7 +282,43 @@ def test_fp8_config_errors_before_compile():
     c.kernels.expert_gemm = "auto"
     assert resolve_kernels(c, "gpu", 9.0)["expert_gemm"] == "einsum"  # auto: the FP8 (qwix einsum) expert GEMM
     assert resolve_kernels(c, "cpu")["expert_gemm"] == "einsum"  # not the tile loop, which has no FP8 path
-    assert resolve_kernels(_fp8_config("mxfp8"), "gpu", 10.3)["expert_gemm"] == "einsum"
+
+def test_fp8_expert_gemm_auto_picks_transformer_engine_only_where_installed_on_gpu(monkeypatch):
+    from moejax.kernels import resolve
+
+    c = _fp8_config("mxfp8")
+    c.model.d_model, c.moe.d_ff_expert = 256, 128
+    monkeypatch.setattr(resolve, "te_available", lambda: False)
+    assert resolve_kernels(c, "gpu", 10.3)["expert_gemm"] == "einsum"  # qwix's einsum
+    monkeypatch.setattr(resolve, "te_available", lambda: True)
+    assert resolve_kernels(c, "gpu", 10.3)["expert_gemm"] == "te"
+    assert resolve_kernels(_fp8_config("tensorwise"), "cpu")["expert_gemm"] == "einsum"  # TE runs on GPUs only
+    c.model.fp8 = "blockwise"  # a recipe TE's JAX side does not have: auto keeps qwix's
+    assert resolve_kernels(c, "gpu", 9.0)["expert_gemm"] == "einsum"
+    c.model.fp8 = "none"  # bf16 through TE only when asked for
+    assert resolve_kernels(c, "gpu", 9.0)["expert_gemm"] == "einsum"
+
+
+def test_transformer_engine_requests_that_cannot_run_are_one_error(monkeypatch):
+    from moejax.kernels import resolve
+
+    c = _fp8_config("blockwise")
+    c.model.d_model, c.moe.d_ff_expert, c.kernels.expert_gemm = 256, 128, "te"
+    monkeypatch.setattr(resolve, "te_available", lambda: False)
+    with pytest.raises(ConfigError, match="needs NVIDIA Transformer Engine .* not installed: `make install-te`"):
+        resolve_kernels(c, "gpu", 9.0)
+    monkeypatch.setattr(resolve, "te_available", lambda: True)
+    with pytest.raises(ConfigError, match="runs on NVIDIA GPUs only"):
+        resolve_kernels(c, "cpu")
+    with pytest.raises(ConfigError, match="no blockwise or rowwise scaling; use model.fp8='mxfp8'"):
+        resolve_kernels(c, "gpu", 9.0)
+    c.model.fp8, c.moe.d_ff_expert = "tensorwise", 96
+    with pytest.raises(ConfigError, match=r"moe.d_ff_expert \(96 per tensor shard\) must be a multiple of 128"):
+        resolve_kernels(c, "gpu", 9.0)
+    c.moe.d_ff_expert, c.mesh.tensor = 256, 2  # 128 per tensor shard
+    assert resolve_kernels(c, "gpu", 9.0)["expert_gemm"] == "te"
+    with pytest.raises(ConfigError, match="compute capability >= 8.9"):
+        resolve_kernels(c, "gpu", 8.0)
 
 
 
