@@ -133,19 +133,19 @@ def test_dropless_through_tokamax_matches_dense_reference(shape, weight_grad, de
 
 
 # Transformer Engine's layout (rows grouped by expert, each group padded to 128 rows, the sizes summing to the rows;
-# capacity rounded up to 128 slots) through a lax.ragged_dot stand-in for TE's grouped GEMM, which does not run on
-# CPU: dropless on data x expert, fsdp x expert (the replica sum left to shard_map: untyped, as TE runs) and
+# capacity rounded up to 128 slots) through te_gemm's emulation of TE's grouped GEMM (bf16 here: lax.ragged_dot),
+# which does not run on CPU: dropless on data x expert, fsdp x expert (the replica sum left to shard_map: untyped, as TE runs) and
 # expert x tensor; capacity and allgather's equal groups.
 TE_CASES = [((2, 1, 4, 1), "dropless"), ((1, 2, 4, 1), "dropless"), ((2, 1, 2, 2), "dropless"),
             ((2, 1, 4, 1), "capacity"), ((1, 2, 4, 1), "allgather")]
 
 
 @pytest.mark.parametrize("shape,mode", TE_CASES, ids=lambda v: "d{}f{}e{}t{}".format(*v) if isinstance(v, tuple) else v)
-def test_transformer_engine_layout_matches_dense_reference(shape, mode, devices, monkeypatch):
+def test_transformer_engine_layout_matches_dense_reference(shape, mode, devices):
     from moejax.kernels import te_gemm
 
-    monkeypatch.setattr(te_gemm, "IMPLEMENTATION", "reference")
-    test_moe_block_matches_dense_reference(shape, mode, "te", "sigmoid", devices)
+    with te_gemm.stand_in():
+        test_moe_block_matches_dense_reference(shape, mode, "te", "sigmoid", devices)
 
 
 def expected_keep_mask(chosen_BxLxE, w_BxLxE, n_groups, capacity, policy):

@@ -11,6 +11,7 @@ will run it.
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 from moejax.config.schema import ConfigError
 
@@ -35,9 +36,14 @@ def tokamax_available() -> bool:
 
 
 def te_available() -> bool:
-    """Transformer Engine with its JAX extension (the `transformer_engine_jax` module the sdist builds)."""
-    return (importlib.util.find_spec("transformer_engine") is not None
-            and importlib.util.find_spec("transformer_engine_jax") is not None)
+    """Transformer Engine with its JAX extension (the `transformer_engine_jax` module: installed inside TE's package
+    by the PyPI sdist, on the path in NVIDIA's containers). Found without importing TE (its import loads CUDA)."""
+    spec = importlib.util.find_spec("transformer_engine")
+    if spec is None:
+        return False
+    if importlib.util.find_spec("transformer_engine_jax") is not None:
+        return True
+    return any(next(Path(root).rglob("transformer_engine_jax*.so"), None) for root in spec.submodule_search_locations or ())
 
 
 def _platform(platform: str | None) -> str:

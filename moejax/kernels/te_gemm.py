@@ -24,17 +24,95 @@ run only.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
+
 import jax
 from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
+import qwix
 
 from moejax.kernels import fp8
 from moejax.kernels.resolve import TE_ALIGN, TE_FP8_FORMATS
 from moejax.remat_names import EXPERT_GEMM
 
-# "te": Transformer Engine's grouped_dense. "reference": lax.ragged_dot with the same contract (rows grouped,
-# sizes summing to the rows), so tests run the dispatch's TE layout on CPU, where TE does not run.
-IMPLEMENTATION = "te"
+_STAND_IN = contextvars.ContextVar("moejax_te_stand_in", default=False)
+
+
+@contextlib.contextmanager
+def stand_in():
+    """Inside: grouped_dense runs `emulated_grouped_dense` instead of TE (which needs a GPU to run and CUDA to
+    import): the CPU tests of the dispatch's TE layout, and the planner's trace of what the step keeps."""
+    token = _STAND_IN.set(True)
+    try:
+        yield
+    finally:
+        _STAND_IN.reset(token)
+
+
+def _quantize(a_GxRxK, fmt: str, *, gradient: bool = False):
+    """a quantised along its last axis as TE's recipe does it (fp8.quantize_rows: mxfp8 32-element E8M0 blocks;
+    tensorwise one scale per g, e5m2 for a gradient); returns (qwix QArray, dequantised f32)."""
+    q = fp8.quantize_rows(a_GxRxK, fmt, gradient=gradient)
+    return q, qwix.dequantize(q)[..., : a_GxRxK.shape[-1]]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def emulated_grouped_dense(x_RxK, w_GxKxN, group_sizes_G, fmt: str):
+    """TE's grouped_dense emulated with XLA ops on any platform: the same groups (rows of group g times w[g]), the
+    same quantisation of each GEMM's operands along its contraction (forward x and w along K; dgrad dy and w along
+    N; wgrad x and dy along the rows), f32 accumulation, and the same residuals: for FP8 the quantised copies of x
+    (along the rows) and w (along N) TE keeps for the backward, for bf16 x and w themselves."""
+    return _emulated_fwd(x_RxK, w_GxKxN, group_sizes_G, fmt)[0]
+
+
+def _emulated_fwd(x_RxK, w_GxKxN, group_sizes_G, fmt):
+    f32 = jnp.float32
+    if fmt == "none":
+        y = jax.lax.ragged_dot(x_RxK, w_GxKxN, group_sizes_G, preferred_element_type=f32)
+        return y.astype(x_RxK.dtype), (x_RxK, w_GxKxN, group_sizes_G)
+    _, x_deq = _quantize(x_RxK[None], fmt)
+    _, w_deq = _quantize(jnp.swapaxes(w_GxKxN, 1, 2), fmt)  # [G, N, K]: w along K
+    y = jax.lax.ragged_dot(x_deq[0], jnp.swapaxes(w_deq, 1, 2), group_sizes_G, preferred_element_type=f32)
+    x_cols_q, _ = _quantize(x_RxK.T[None], fmt)  # [1, K, R]: x along the rows, for the wgrad
+    w_q, _ = _quantize(w_GxKxN, fmt)  # [G, K, N]: w along N, for the dgrad
+    return y.astype(x_RxK.dtype), (_kept(x_cols_q, fmt), _kept(w_q, fmt), group_sizes_G)
+
+
+def _kept(q, fmt):
+    """A quantised residual as TE keeps it: MXFP8's scales as E8M0 (powers of two: exact), one byte per 32 values."""
+    return q.qvalue, q.scale.astype(jnp.float8_e8m0fnu) if fmt == "mxfp8" else q.scale
+
+
+def _dequantize(kept, fmt):
+    qvalue, scale = kept
+    qtype = "mxfp8" if fmt == "mxfp8" else qvalue.dtype
+    return qwix.dequantize(qwix.QArray(qvalue, scale.astype(jnp.float32), None, qtype))
+
+
+def _emulated_bwd(fmt, residuals, dy_RxN):
+    f32 = jnp.float32
+    wgrad_dims = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])),
+                                                   lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+    if fmt == "none":
+        x_RxK, w_GxKxN, sizes_G = residuals
+        dx = jax.lax.ragged_dot(dy_RxN, jnp.swapaxes(w_GxKxN, 1, 2), sizes_G, preferred_element_type=f32)
+        dw = jax.lax.ragged_dot_general(x_RxK, dy_RxN, sizes_G, wgrad_dims, preferred_element_type=f32)
+        return dx.astype(x_RxK.dtype), dw.astype(w_GxKxN.dtype), None
+    # x, w, y and dy share one dtype (grouped_dense casts w to x's)
+    x_cols_q, w_q, sizes_G = residuals
+    n_rows, x_dtype = dy_RxN.shape[0], dy_RxN.dtype
+    x_deq = _dequantize(x_cols_q, fmt)[0, :, :n_rows].T  # [R, K]
+    w_deq = _dequantize(w_q, fmt)[..., : dy_RxN.shape[1]]  # [G, K, N]
+    _, dy_deq = _quantize(dy_RxN[None], fmt, gradient=True)  # along N, for the dgrad
+    dx = jax.lax.ragged_dot(dy_deq[0], jnp.swapaxes(w_deq, 1, 2), sizes_G, preferred_element_type=f32)
+    _, dy_cols = _quantize(dy_RxN.T[None], fmt, gradient=True)  # along the rows, for the wgrad
+    dw = jax.lax.ragged_dot_general(x_deq, dy_cols[0].T, sizes_G, wgrad_dims, preferred_element_type=f32)
+    return dx.astype(x_dtype), dw.astype(x_dtype), None
+
+
+emulated_grouped_dense.defvjp(_emulated_fwd, _emulated_bwd)
 
 
 def _quantizer_set(fmt: str, n_groups: int):
@@ -55,8 +133,8 @@ def grouped_dense(x_RxK, w_GxKxN, group_sizes_G):
     if fmt not in TE_FP8_FORMATS:  # resolve.py refuses this before anything compiles
         raise ValueError(f"Transformer Engine's grouped GEMM has no {fmt!r} recipe")
     w_GxKxN = w_GxKxN.astype(x_RxK.dtype)
-    if IMPLEMENTATION == "reference":
-        return jax.lax.ragged_dot(x_RxK, w_GxKxN, group_sizes_G, preferred_element_type=jnp.float32).astype(x_RxK.dtype)
+    if _STAND_IN.get():
+        return emulated_grouped_dense(x_RxK, w_GxKxN, group_sizes_G.astype(jnp.int32), fmt)
     from transformer_engine.jax.dense import grouped_dense as te_grouped_dense
 
     return te_grouped_dense(x_RxK, w_GxKxN, group_sizes_G.astype(jnp.int32),

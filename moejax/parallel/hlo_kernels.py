@@ -91,3 +91,23 @@ def stacked_weight_copies(hlo_text: str) -> dict[str, int]:
             if dtype == stack_dtype and dims != stack and sorted(dims) == sorted(stack) and dims[0] != stack[0]:
                 copies[f"{dtype}[{','.join(map(str, dims))}]"] = math.prod(dims) * DTYPE_BYTES[dtype]
     return dict(sorted(copies.items()))
+
+
+_TE_GEMM = re.compile(r"= \((?P<out>\w+)\[(?P<out_dims>[0-9,]*)\](?:\{[0-9,]*\})?, u8\[(?P<workspace>\d+)\][^)]*\) custom-call\(.*?"
+                      r'custom_call_target="te_grouped_gemm(?P<v2>_v2)?_ffi", operand_layout_constraints=\{(?P<ops>.*?)\}, '
+                      r"api_version.*?lhs_is_trans = (?P<lhs_t>\w+).*?rhs_is_trans = (?P<rhs_t>\w+)")
+_OPERAND = re.compile(r"(\w+)\[[0-9,]*\](?:\{[0-9,]*\})?")
+
+
+def te_grouped_gemms(hlo_text: str) -> list[dict]:
+    """Transformer Engine's grouped GEMMs in a compiled program, one dict each: 'kind' (forward: x . w; dgrad:
+    dy . w^T; wgrad: x^T . dy, a [G, K, N] output), 'operands' (lhs, lhs scales, rhs, rhs scales element types:
+    e.g. f8e4m3fn, f8e8m0fnu, f8e4m3fn, f8e8m0fnu for MXFP8), 'out' ('bf16[1536,256]'), 'workspace_bytes' (the
+    cuBLAS workspace each call returns beside its output) and 'v2' (TE's CUDA-graph-safe path, no host sync)."""
+    gemms = []
+    for m in _TE_GEMM.finditer(hlo_text):
+        operands = _OPERAND.findall(m["ops"])
+        kind = "wgrad" if m["lhs_t"] == "true" else "dgrad" if m["rhs_t"] == "true" else "forward"
+        gemms.append({"kind": kind, "operands": tuple(operands[:4]), "out": f"{m['out']}[{m['out_dims']}]",
+                      "workspace_bytes": int(m["workspace"]), "v2": bool(m["v2"])})
+    return gemms

@@ -41,7 +41,9 @@ weight's per-device shard gathered over fsdp (split over expert and tensor as th
 Routed experts run as the target platform runs them (`kernels.expert_gemm` auto): on GPU a dropless layer is one
 ragged grouped matmul over the received rows (traced with lax.ragged_dot, whose residuals are the rows, like
 tokamax's kernel); on CPU (the dry run) it is the tile loop over the window's rows padded per expert to whole
-tiles (its residuals: the tiled rows and their gate and up projections).
+tiles (its residuals: the tiled rows and their gate and up projections). Transformer Engine's grouped GEMM
+(`kernels.expert_gemm=te`) is traced as its emulation (kernels/te_gemm.py), which keeps what TE keeps: with FP8
+the e4m3 copies of each GEMM's input and weight and their scales, not the bf16 ones.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from jax.sharding import AbstractMesh, AxisType
 
 from moejax.config import MESH_AXES
 from moejax.config.layers import layer_plan
+from moejax.kernels import te_gemm
 from moejax.model.loss import lm_loss
 from moejax.model.transformer import Block, _remat
 from moejax.planner.context import attention_layers, context_activations
@@ -143,7 +146,7 @@ def _saved(cfg_json: str, micro_batch: int, seq_len: int, expert: int) -> tuple[
 
     loss, params, rest = abstract_loss(ml_collections.ConfigDict(json.loads(cfg_json)))
     tokens = jax.ShapeDtypeStruct((micro_batch * expert, seq_len + 1), jnp.int32)
-    with jax.sharding.use_abstract_mesh(_mesh(expert)):
+    with jax.sharding.use_abstract_mesh(_mesh(expert)), te_gemm.stand_in():
         return _collect(saved_residuals(loss, params, rest, tokens, tokens), skip=_is_log_softmax)
 
 
@@ -168,7 +171,7 @@ def _block(cfg_json: str, moe: bool, micro_batch: int, seq_len: int, expert: int
     x = jax.ShapeDtypeStruct((batch, seq_len, int(cfg.model.d_model)), jnp.dtype(cfg.model.dtype))
     positions = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
     weights = {(tuple(p.shape), jnp.dtype(p.dtype)) for p in jax.tree.leaves(params)}
-    with jax.sharding.use_abstract_mesh(_mesh(expert)):
+    with jax.sharding.use_abstract_mesh(_mesh(expert)), te_gemm.stand_in():
         return _collect(saved_residuals(run, params, rest, x, positions),
                         skip=lambda aval, source: (tuple(aval.shape), jnp.dtype(aval.dtype)) in weights)
 

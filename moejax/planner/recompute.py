@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
+from moejax.kernels import te_gemm
 from moejax.planner.activations import abstract_loss, trace_config
 
 
@@ -104,7 +105,8 @@ def _step_flops(cfg_json: str, seq_len: int) -> int:
 
     loss, params, rest = abstract_loss(ml_collections.ConfigDict(json.loads(cfg_json)))
     tokens = jax.ShapeDtypeStruct((1, seq_len + 1), jnp.int32)
-    step = jax.make_jaxpr(lambda *args: jax.vjp(loss, *args)[1](jnp.float32(1.0)))(params, rest, tokens, tokens)
+    with te_gemm.stand_in():  # Transformer Engine's grouped GEMM as its emulation: TE is not traced here
+        step = jax.make_jaxpr(lambda *args: jax.vjp(loss, *args)[1](jnp.float32(1.0)))(params, rest, tokens, tokens)
     return matmul_flops(step.jaxpr)
 
 

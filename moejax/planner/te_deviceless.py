@@ -37,7 +37,7 @@ STUB_ENTRY_POINTS = (
     "cuTensorMapEncodeIm2col", "cuTensorMapEncodeTiled",
 )
 CUDA_ERROR_NO_DEVICE = 100
-STUB_VERSION = 1  # bump when the source changes: the cached library is rebuilt
+STUB_VERSION = 2  # bump when the source changes: the cached library is rebuilt
 
 
 def stub_source() -> str:
@@ -67,7 +67,7 @@ def stub_driver_path() -> Path:
     src = lib.parent / "stub.c"
     src.write_text(stub_source())
     tmp = lib.parent / f"libcuda.so.1.{os.getpid()}"
-    done = subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(tmp), str(src)], capture_output=True, text=True)
+    done = subprocess.run([cc, "-shared", "-fPIC", "-O1", "-Wl,-soname,libcuda.so.1", "-o", str(tmp), str(src)], capture_output=True, text=True)
     if done.returncode:
         raise ConfigError(f"building the stand-in CUDA driver with {cc} failed: {done.stderr.strip().splitlines()[-1:]}")
     os.replace(tmp, lib)  # atomic: a concurrent dry run sees the whole library or none
@@ -108,12 +108,19 @@ def prepare_import() -> str:
     if dirs:
         os.environ.setdefault("CUDA_HOME", str(dirs[0].parent.parent))
     driver = _load_driver()
-    for d in dirs:
-        for lib in sorted(d.glob("lib*.so*")):
+    # In passes until none loads: a library loads once the ones it needs are loaded (found by soname); what never
+    # loads needs something outside these wheels (a tool's plugin) and TE does not use it.
+    pending = [lib for d in dirs for lib in sorted(d.glob("lib*.so*"))]
+    while pending:
+        failed = []
+        for lib in pending:
             try:
                 ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
             except OSError:
-                pass  # a library whose own dependencies are not among these (e.g. a tool's plugin): TE needs none
+                failed.append(lib)
+        if len(failed) == len(pending):
+            break
+        pending = failed
     _PREPARED = driver
     return driver
 
