@@ -46,9 +46,20 @@ $(VENV_GPU)/.installed: pyproject.toml
 	$(@D)/bin/python -m pip install -q -e '.[gpu,test]'
 	touch $@
 
+# NVIDIA Transformer Engine (kernels.expert_gemm=te) into the gpu virtualenv: the `te` extra (TE's core library and
+# the build's headers), then its JAX extension, which PyPI has only as source: built against the CUDA wheels' headers
+# (NVTE_BUILD_USE_NVIDIA_WHEELS=1; no nvcc, no GPU), at the version of the core library installed; about 5 minutes
+# of one core and 2.5 GB of memory the first time, then pip's cache of the built wheel.
+$(VENV_GPU)/.installed-te: $(VENV_GPU)/.installed pyproject.toml
+	$(VENV_GPU)/bin/python -m pip install -q -e '.[gpu,test,te]'
+	NVTE_BUILD_USE_NVIDIA_WHEELS=1 $(VENV_GPU)/bin/python -m pip install -q --no-build-isolation --no-deps \
+		"transformer-engine-jax==$$($(VENV_GPU)/bin/python -c 'import importlib.metadata as m; print(m.version("transformer-engine-cu12"))')"
+	touch $@
+
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 install-gpu: $(VENV_GPU)/.installed
+install-te: $(VENV_GPU)/.installed-te
 
 # Then a look at what it learned: text continuing the start of two held-out documents, sampled (temperature 0.7,
 # top-k 20: greedy decoding of a model this small repeats itself).
@@ -81,6 +92,13 @@ test-gpu: $(VENV_GPU)/.installed
 	MOEJAX_GPU_COMPILE=1 JAX_PLATFORMS=cpu $(VENV_GPU)/bin/python $(PYTEST) --slow --dist loadscope --no-loadscope-reorder \
 		$(GPU_EXTRA_TESTS) $(VERSION_FILES)
 
+# Transformer Engine's grouped GEMM in the deviceless GB300 / H200 compiles (tests/test_te_compile.py; it fails
+# rather than skips without TE here), on the gpu virtualenv with TE built in. Not in CI: building TE takes longer
+# than CI's budget leaves (docs/testing.md).
+test-te: $(VENV_GPU)/.installed-te
+	MOEJAX_TE_COMPILE=1 MOEJAX_GPU_COMPILE=1 JAX_PLATFORMS=cpu $(VENV_GPU)/bin/python $(PYTEST) --slow \
+		tests/test_te_compile.py tests/test_te_gemm.py
+
 bench: $(VENV)/.installed
 	$(VENV)/bin/python benchmarks/train_step.py --config $(CONFIG)
 
@@ -89,4 +107,4 @@ bench: $(VENV)/.installed
 bench-smoke: $(VENV_GPU)/.installed
 	PYTHON=$(VENV_GPU)/bin/python bash benchmarks/gpu_check.sh --smoke
 
-.PHONY: install install-test install-gpu train test test-fp8 test-pipeline test-gpu bench bench-smoke
+.PHONY: install install-test install-gpu install-te train test test-fp8 test-pipeline test-gpu test-te bench bench-smoke

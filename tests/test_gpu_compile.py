@@ -43,7 +43,7 @@ _GB300_DRY_RUN = """
 import json, os, sys
 os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, "tests")  # as pytest does (tests/ has no __init__.py): the module imports its sibling gpu_extra
-from moejax.parallel.hlo_kernels import array_shapes
+from moejax.parallel.hlo_kernels import array_shapes, te_grouped_gemms
 from moejax.planner.dry_run import dry_run
 from tests.test_gpu_compile import DROPLESS_D_FF, _dots_with_shapes, gpu_config
 
@@ -56,27 +56,28 @@ for key, value in json.loads(sys.argv[1]).items():
         node = node[part]
     node[leaf] = value
 compile = sys.argv[3] == "compile"
-r = dry_run(c, 8, "gb300", keep_hlo=compile, compile=compile)
+r = dry_run(c, 8, sys.argv[4], keep_hlo=compile, compile=compile)
 if compile:
     hlo = r.pop("hlo")
     r["array_shapes"] = sorted({(dtype, tuple(dims)) for dtype, dims in array_shapes(hlo)})
     r["dots"] = _dots_with_shapes(hlo)
+    r["te_out_shapes"] = sorted({g["out"] for g in te_grouped_gemms(hlo)})
 open(sys.argv[2], "w").write(json.dumps(r, default=str))
 """
 
 
-def _gb300_dry_run_in_own_process(work, compile: bool = True, **extra):
-    """The gpu_config('dropless') shape (tokamax-tileable expert FFN) dry-run for 8 GB300s in its own process:
-    one process compiles Mosaic GPU kernels for one GPU generation (after an H200 compile, ptxas refuses the
-    sm_103 target). Returns the report with the compiled program's array shapes and dot operand shapes
-    (compile=False: lowered only, the report's kernels and lowered custom calls)."""
+def _gb300_dry_run_in_own_process(work, compile: bool = True, target: str = "gb300", **extra):
+    """The gpu_config('dropless') shape (tokamax-tileable expert FFN) dry-run for 8 GB300s (or 8 of `target`) in
+    its own process: one process compiles Mosaic GPU kernels for one GPU generation (after an H200 compile, ptxas
+    refuses the sm_103 target). Returns the report with the compiled program's array shapes, dot operand shapes and
+    TE grouped GEMMs' output shapes (compile=False: lowered only, the report's kernels and lowered custom calls)."""
     import json
     import subprocess
     import sys
 
     out = work / "dry_run.json"
     r = subprocess.run([sys.executable, "-c", _GB300_DRY_RUN, json.dumps(extra), str(out),
-                        "compile" if compile else "lower"], capture_output=True,
+                        "compile" if compile else "lower", target], capture_output=True,
                        text=True, cwd=ROOT, timeout=900, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(out.read_text())

@@ -37,6 +37,11 @@ from moejax.kernels import fp8
 from moejax.kernels.resolve import TE_ALIGN, TE_FP8_FORMATS
 from moejax.remat_names import EXPERT_GEMM
 
+# The cuBLAS workspace each TE grouped GEMM call returns beside its output (u8[134217984] in the compiled program):
+# 32 MiB (Hopper and later) for each of the V1 path's 4 compute streams, plus 256 bytes to align it; the V2 path
+# (TE built against cuBLAS >= 13.2) uses one stream. XLA reuses the buffer from call to call.
+WORKSPACE_BYTES = {"v1": 4 * 32 * 2**20 + 256, "v2": 32 * 2**20 + 256}
+
 _STAND_IN = contextvars.ContextVar("moejax_te_stand_in", default=False)
 
 

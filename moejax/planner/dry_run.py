@@ -23,7 +23,8 @@ from moejax.config import validate
 from moejax.model.accounting import flops_per_token
 from moejax.kernels.resolve import KERNEL_FIELDS, apply_kernels, devices_compute_capability, devices_platform
 from moejax.parallel.hlo_collectives import bytes_by_dtype, collectives, overlap
-from moejax.parallel.hlo_kernels import kernel_inventory, lowered_custom_calls, stacked_weight_copies
+from moejax.parallel.hlo_kernels import (kernel_inventory, lowered_custom_calls, stacked_weight_copies,
+                                         te_grouped_gemms)
 from moejax.parallel.xla_gpu_flags import describe as describe_xla_flags
 from moejax.parallel.mesh import batch_sharding, make_mesh
 from moejax.parallel.topology import TOPOLOGIES, get_topology
@@ -138,6 +139,7 @@ def dry_run(cfg, n_devices: int, target: str | None = None, *, keep_hlo: bool = 
                 "kernels": kernel_inventory(hlo),
                 # whole layer stacks relaid out for a gather (parallel/layouts.py keeps them out): none expected
                 "stacked_weight_copies": stacked_weight_copies(hlo),
+                "te_grouped_gemms": te_gemm_summary(te_grouped_gemms(hlo)),
                 # what jax asked XLA for, before XLA's passes (e.g. block-scaled FP8 dots it may expand)
                 "lowered_custom_calls": lowered_custom_calls(lowered.as_text()),
                 "collective_bytes": hlo_kinds, "collective_bytes_by_dtype": xla_dtypes,
@@ -150,6 +152,17 @@ def dry_run(cfg, n_devices: int, target: str | None = None, *, keep_hlo: bool = 
                  "collective_bytes": pred_kinds, "collective_bytes_by_dtype": plan_dtypes,
                  "collective_bytes_by_link": buffer_bytes_by_link(traffic, sizes, domain)},
     }
+
+
+def te_gemm_summary(gemms: list[dict]) -> list[dict]:
+    """TE's grouped GEMMs counted by (kind, operand types, workspace, path)."""
+    counts: dict[tuple, int] = {}
+    for g in gemms:
+        key = (g["kind"], " x ".join(g["operands"][::2]) + " (scales " + " x ".join(g["operands"][1::2]) + ")"
+               if g["operands"][0].startswith("f8") else " x ".join(g["operands"][::2]), g["workspace_bytes"], g["v2"])
+        counts[key] = counts.get(key, 0) + 1
+    return [{"kind": k, "operands": ops, "workspace_bytes": ws, "v2": v2, "count": n}
+            for (k, ops, ws, v2), n in sorted(counts.items())]
 
 
 def _dtypes(by_dtype: dict[str, int]) -> str:
@@ -210,6 +223,12 @@ def format_report(r: dict) -> str:
         dots = ", ".join(f"{t} x{n}" for t, n in x["kernels"].get("dots", {}).items()) or "none"
         lines += [f"  custom calls (as in the text): {calls}", f"  fusions: {fusions}",
                   f"  dot operand types (lhs x rhs): {dots}"]
+    if x.get("te_grouped_gemms"):
+        lines.append("  Transformer Engine grouped GEMMs (as in the text): " + ", ".join(
+            f"{g['kind']} {g['operands']} x{g['count']}" for g in x["te_grouped_gemms"])
+            + f"; cuBLAS workspace {x['te_grouped_gemms'][0]['workspace_bytes'] / 2**20:.0f} MiB per call"
+            + ("" if all(g["v2"] for g in x["te_grouped_gemms"]) else
+               "; V1 path (cuBLAS < 13.2 build: copies the group sizes to the host and waits, every call)"))
     if x.get("stacked_weight_copies"):
         copies = ", ".join(f"{shape} ({n / gib:.2f} GiB)" for shape, n in x["stacked_weight_copies"].items())
         lines.append(f"  whole-stack weight relayouts (one of each shape): {copies}")

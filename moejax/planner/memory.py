@@ -17,6 +17,8 @@
                       larger phase)
   layer_live          the layer being differentiated: its weights gathered over fsdp (compute dtype) and
                       their gradients before the fsdp reduction (param dtype)
+  kernel_workspace    kernels.expert_gemm=te: the cuBLAS workspace Transformer Engine's grouped GEMM asks for (one
+                      call's: XLA reuses it), beside the layer being differentiated
   context_kv          context parallelism (layout.context > 1): the layer being differentiated's keys and values of
                       the whole sequence beyond the L / C positions its trace holds (rematerialised where the
                       policy did not save them) and their gradients (planner/context.py); activations are traced
@@ -42,6 +44,7 @@ from dataclasses import asdict, dataclass, replace
 import jax.numpy as jnp
 
 from moejax.config.layers import layer_plan
+from moejax.kernels import te_gemm
 from moejax.parallel.pipeline import chunk_slots, schedule_ticks
 from moejax.planner.activations import activation_terms
 from moejax.planner.layout import Layout, layout_config
@@ -61,6 +64,7 @@ class MemoryEstimate:
     layer_live: int
     stage_copies: int = 0  # pipeline stages: the stage's MoE stack and its gradient in the layout the stages' vmap wants
     context_kv: int = 0  # context > 1: the whole sequence's K/V (and gradients) of the layer being differentiated
+    kernel_workspace: int = 0  # kernels.expert_gemm=te: the cuBLAS workspace of the grouped GEMM being run
 
     @property
     def state(self) -> int:
@@ -72,7 +76,8 @@ class MemoryEstimate:
         larger of two phases: the loss over the vocabulary, which runs before any layer's weight gradient exists,
         or the layers' backward, which holds the gradients, the layer being differentiated and its transient."""
         return (self.grad_accumulator + self.activations + self.stage_copies
-                + max(self.logits, self.grads + self.layer_live + self.layer_transient + self.context_kv))
+                + max(self.logits, self.grads + self.layer_live + self.layer_transient + self.context_kv
+                      + self.kernel_workspace))
 
     @property
     def optimizer(self) -> int:
@@ -147,5 +152,6 @@ def estimate_memory(cfg, layout: Layout, seq_len: int | None = None, platform: s
         saved = (outside * n_micro // layout.stage
                  + int(act.moe_layer * per_chunk * schedule_ticks(layout.stage, n_micro, layout.virtual)))
         logits = logits * n_micro // layout.stage
+    workspace = te_gemm.WORKSPACE_BYTES["v1"] if cfg.kernels.get("expert_gemm") == "te" else 0
     return replace(state_memory(cfg, layout, platform), activations=saved, layer_transient=act.layer, logits=logits,
-                   context_kv=act.context_kv)
+                   context_kv=act.context_kv, kernel_workspace=workspace)
