@@ -32,13 +32,14 @@ E4M3_MXFP8 = "f8e4m3fn x f8e4m3fn (scales f8e8m0fnu x f8e8m0fnu)"
 
 def _expert_dots(report, d_model=128):
     """Dots XLA compiled that multiply routed-expert rows or weights: an operand with the windows' row counts (the
-    rows TE's GEMMs ran on) or an expert weight's [E_local, D, F] shape (the tiled einsum's per-tile copies too)."""
+    rows TE's GEMMs ran on) or the local experts' [E_local, D, F] weights (or the tiled einsum's per-tile copies)."""
     windows = {int(g.split("[")[1].split(",")[0]) for g in report["te_out_shapes"] if g.count(",") == 1}
     expert_dots = []
     for lhs, rhs in report["dots"]:
         for operand in (lhs, rhs):
             dims = tuple(int(d) for d in operand.split("[")[1].rstrip("]").split(",") if d)
-            if windows & set(dims) or (len(dims) == 3 and sorted(dims[1:]) == sorted((d_model, D_FF_EXPERT))):
+            expert_weights = len(dims) == 3 and dims[0] > 1 and sorted(dims[1:]) == sorted((d_model, D_FF_EXPERT))
+            if windows & set(dims) or expert_weights:  # (the shared expert's FP8 GEMM is [1, D, F]: one group)
                 expert_dots.append((lhs, rhs))
     return expert_dots
 

@@ -95,19 +95,24 @@ def stacked_weight_copies(hlo_text: str) -> dict[str, int]:
 
 _TE_GEMM = re.compile(r"= \((?P<out>\w+)\[(?P<out_dims>[0-9,]*)\](?:\{[0-9,]*\})?, u8\[(?P<workspace>\d+)\][^)]*\) custom-call\(.*?"
                       r'custom_call_target="te_grouped_gemm(?P<v2>_v2)?_ffi", operand_layout_constraints=\{(?P<ops>.*?)\}, '
-                      r"api_version.*?lhs_is_trans = (?P<lhs_t>\w+).*?rhs_is_trans = (?P<rhs_t>\w+)")
+                      r'api_version.*?op_name="(?P<op>[^"]*)"')
+_AD_TRANSFORM = re.compile(r"transpose\(jvp\(\)\)|jvp\(\)")
 _OPERAND = re.compile(r"(\w+)\[[0-9,]*\](?:\{[0-9,]*\})?")
 
 
 def te_grouped_gemms(hlo_text: str) -> list[dict]:
-    """Transformer Engine's grouped GEMMs in a compiled program, one dict each: 'kind' (forward: x . w; dgrad:
-    dy . w^T; wgrad: x^T . dy, a [G, K, N] output), 'operands' (lhs, lhs scales, rhs, rhs scales element types:
-    e.g. f8e4m3fn, f8e8m0fnu, f8e4m3fn, f8e8m0fnu for MXFP8), 'out' ('bf16[1536,256]'), 'workspace_bytes' (the
-    cuBLAS workspace each call returns beside its output) and 'v2' (TE's CUDA-graph-safe path, no host sync)."""
+    """Transformer Engine's grouped GEMMs in a compiled program, one dict each: 'kind' (forward: x . w, also when
+    a remat recomputes it; dgrad: dy . w^T; wgrad: x^T . dy, a [G, K, N] output; told by the op's autodiff
+    transform, not by TE's transpose flags, which Hopper's FP8 layouts change), 'operands' (lhs, lhs scales, rhs,
+    rhs scales element types: e.g. f8e4m3fn, f8e8m0fnu, f8e4m3fn, f8e8m0fnu for MXFP8), 'out' ('bf16[1536,256]'),
+    'workspace_bytes' (the cuBLAS workspace each call returns beside its output) and 'v2' (TE's CUDA-graph-safe
+    path, no host sync)."""
     gemms = []
     for m in _TE_GEMM.finditer(hlo_text):
         operands = _OPERAND.findall(m["ops"])
-        kind = "wgrad" if m["lhs_t"] == "true" else "dgrad" if m["rhs_t"] == "true" else "forward"
+        transforms = _AD_TRANSFORM.findall(m["op"])  # outermost first: the last says what this call computes
+        backward = bool(transforms) and transforms[-1].startswith("transpose")
+        kind = ("wgrad" if m["out_dims"].count(",") == 2 else "dgrad") if backward else "forward"
         gemms.append({"kind": kind, "operands": tuple(operands[:4]), "out": f"{m['out']}[{m['out_dims']}]",
                       "workspace_bytes": int(m["workspace"]), "v2": bool(m["v2"])})
     return gemms
