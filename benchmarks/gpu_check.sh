@@ -18,13 +18,14 @@
 #   2. proxy_fp8        the same step with rowwise FP8 GEMMs (Hopper's fast recipe), capacity dispatch (FP8
 #                       dropless runs the tiled einsum, whose per-tile weight copies do not fit: 185.7 GiB by
 #                       XLA:GPU for the h200 variant)
-#   3. deepseek_layer, kernels_tokamax, fp8_gemm, kernels_alternatives, deepseek_layer_capacity,
+#   3. deepseek_layer, kernels_tokamax, fp8_gemm, te_gemm, kernels_alternatives, deepseek_layer_capacity,
 #      deepseek_layer_capacity_fp8_blockwise, deepseek_layer_capacity_fp8_rowwise: the layer slice (1 layer, 8
-#      experts, full width) and the kernel benchmarks
+#      experts, full width) and the kernel benchmarks (te_gemm: Transformer Engine's grouped GEMM, bf16 and FP8)
 # The proxy variant follows the GPU's memory (nvidia-smi): 'h200' from 120 GB up, else 'h100' (PROXY overrides).
 #
 # --smoke: no GPU, no wheels; JAX_PLATFORMS=cpu on one CPU device (the one-GPU code path) with PYTHON (default
-# python3) as it is; toy shapes (the proxy's 'smoke' variant, width-scaled slices and kernels, 1 step), compiled without LLVM optimisation; autotune
+# python3) as it is; toy shapes (the proxy's 'smoke' variant, width-scaled slices and kernels, 1 step), compiled
+# without LLVM optimisation; te_gemm times TE's XLA emulation (--allow_emulation: TE cannot run on a CPU); autotune
 # runs when tokamax is importable (on a CPU the step has no tokamax op: the path is exercised, nothing is tuned).
 # Its files go to $OUT or benchmarks/results/gpu_check_smoke/.
 #
@@ -40,7 +41,8 @@
 # immutabledict, fire + termcolor), and ml_collections and flax 0.12.12 (the version the `gpu` extra tests; it takes
 # precedence over the image's flax on PYTHONPATH) for moejax. tokamax imports xprof at import time only for
 # its own benchmarking helper, never called here; xprof's wheel is 32 MB, so a stub module stands in for it
-# unless an xprof wheel is in the directory (it fits: ~38 MB with the rest).
+# unless an xprof wheel is in the directory (it fits: ~38 MB with the rest). Transformer Engine is not carried
+# (about 1 GB installed): te_gemm measures it only where the image has it (NVIDIA's JAX containers do).
 #
 # With the device tool, from the repo root here:
 #   echo /.whl/ >> .git/info/exclude                 # once: the wheel folder travels only as a carried path
@@ -49,7 +51,8 @@
 # The JSON, the log, the tuned tokamax cache and the RESULTS.md rows are written to $OUT (the tool returns them),
 # else to benchmarks/results/gpu_check/. Copy the rows into benchmarks/RESULTS.md and the tuned cache into
 # benchmarks/tokamax_autotune/. Timeouts per run: T_PROXY (330 s), T_PROXY_FP8 (150 s), T_LAYER (60 s),
-# T_KERNELS (100 s, each kernel run), T_FP8_GEMM (90 s), T_LAYER_FP8 (60 s, each of the other slices).
+# T_KERNELS (100 s, each kernel run), T_FP8_GEMM (90 s), T_TE_GEMM (90 s), T_LAYER_FP8 (60 s, each of the other
+# slices).
 #
 # Exit codes: 0 all runs ok; 1 some run failed, timed out or was skipped for the budget; 2 no NVIDIA GPU (not with
 # --smoke); 3 jax sees no GPU (--smoke: not the CPU) or moejax's imports are missing.
@@ -87,6 +90,7 @@ T_PROXY_FP8="${T_PROXY_FP8:-150}"
 T_LAYER="${T_LAYER:-60}"
 T_KERNELS="${T_KERNELS:-100}"
 T_FP8_GEMM="${T_FP8_GEMM:-90}"
+T_TE_GEMM="${T_TE_GEMM:-90}"
 T_LAYER_FP8="${T_LAYER_FP8:-60}"
 
 if [[ $SMOKE -eq 1 ]]; then
@@ -232,9 +236,11 @@ if [[ $SMOKE -eq 1 ]]; then
     LAYER=(--scale 0.0625 --tokens 256 --seq 128 --steps 1 --matmul_n 256)
     KERNELS=(--scale 0.0625 --tokens 256 --seq 128 --heads 8 --warmup 1 --steps 1)
     FP8_GEMM=(--m 256 --k 256 --n 128 --steps 1)
+    TE_GEMM=(--g 4 --rows 1024 --k 256 --n 128 --steps 1 --allow_emulation)
 else
     STEPS=(--steps 5) DTYPE=bfloat16 MATMUL=()
-    LAYER=(--tokens 4096 --seq 4096 --steps 10) KERNELS=() FP8_GEMM=()
+    # te_gemm without --allow_emulation: on a GPU a missing TE is a row saying so, not an emulated number
+    LAYER=(--tokens 4096 --seq 4096 --steps 10) KERNELS=() FP8_GEMM=() TE_GEMM=()
 fi
 STEP_ARGS=(--config "benchmarks/configs/deepseek_v3_1gpu.py:$PROXY" --layouts config --dtype "$DTYPE" "${STEPS[@]}"
            "${MATMUL[@]}")
@@ -259,13 +265,16 @@ run kernels_tokamax "$T_KERNELS" "$DEST/kernels_tokamax.json" "$PY" benchmarks/k
 # 5. one GEMM fwd+bwd in bf16, blockwise FP8 and rowwise FP8
 run fp8_gemm "$T_FP8_GEMM" "$DEST/fp8_gemm.json" "$PY" benchmarks/fp8_gemm.py "${FP8_GEMM[@]}" \
     --json "$DEST/fp8_gemm.json"
-# 6. the alternatives: einsum capacity GEMM (ragged_dot is refused on GPU: XLA densifies it), tokamax's Triton
+# 6. Transformer Engine's grouped GEMM fwd+bwd at the routed experts' shapes (8 experts, ragged 128-row groups, one
+#    empty), in bf16 and the FP8 recipes of this GPU (tensorwise; mxfp8 from Blackwell), with its numerics
+run te_gemm "$T_TE_GEMM" "$DEST/te_gemm.json" "$PY" benchmarks/te_gemm.py "${TE_GEMM[@]}" --json "$DEST/te_gemm.json"
+# 7. the alternatives: einsum capacity GEMM (ragged_dot is refused on GPU: XLA densifies it), tokamax's Triton
 #    flash attention, XLA's reference attention; cuDNN attention is listed to record its refusal (MLA's q/k head
 #    dim 192 is above jax's cuDNN limit of 128)
 run kernels_alternatives "$T_KERNELS" "$DEST/kernels_alternatives.json" "$PY" benchmarks/kernels.py \
     --expert_gemm einsum,ragged_dot --attention tokamax_triton,xla,cudnn --dtype "$DTYPE" "${KERNELS[@]}" \
     --json "$DEST/kernels_alternatives.json"
-# 7. the slice with capacity dispatch in bf16, blockwise and rowwise FP8 (the JSON lists the compiled GEMM calls)
+# 8. the slice with capacity dispatch in bf16, blockwise and rowwise FP8 (the JSON lists the compiled GEMM calls)
 for fmt in none blockwise rowwise; do
     name=deepseek_layer_capacity$([[ $fmt == none ]] || echo "_fp8_$fmt")
     run "$name" "$T_LAYER_FP8" "$DEST/$name.json" "$PY" benchmarks/deepseek_layer.py --dtype "$DTYPE" "${LAYER[@]}" \

@@ -305,8 +305,8 @@ def _cell(text: str) -> str:
 
 
 def results_rows(paths) -> list[str]:
-    """Rows of benchmarks/RESULTS.md (| date | GPU | command | metric | value |) from JSON this script or
-    deepseek_layer.py wrote."""
+    """Rows of benchmarks/RESULTS.md (| date | GPU | command | metric | value |) from JSON this script,
+    deepseek_layer.py, fp8_gemm.py, te_gemm.py or train_step.py wrote."""
     rows = []
     for path in paths:
         r = json.loads(Path(path).read_text())
@@ -344,6 +344,26 @@ def results_rows(paths) -> list[str]:
                             f"{_num(f['tflops'])} |")
                 if f.get("speed_vs_none"):
                     rows.append(f"{head} {what}, {f['format']}: speed vs bf16 | {f['speed_vs_none']:.2f}x |")
+            continue
+        if "te_gemm" in r:  # te_gemm.py
+            sh = r["te_gemm"]["shape"]
+            what = (f"TE grouped GEMM fwd+bwd x [{sh['rows']}, {sh['k']}] in {sh['g']} groups @ w [{sh['g']}, "
+                    f"{sh['k']}, {sh['n']}] {sh['dtype']} in/out")
+            for f in r["te_gemm"]["formats"]:
+                name = f"{what}, {f['format']}, {f['implementation']}"
+                if "error" in f:
+                    rows.append(f"{head} {name} | failed: {_cell(f['error'])} |")
+                    continue
+                c = f["te_calls"]
+                calls = "; ".join([", ".join(f"{k} x{n}" for k, n in c["by_kind"].items()),
+                                   ", ".join(f"{ops} x{n}" for ops, n in c["by_operands"].items()),
+                                   f"V2 {c['v2']} of {c['total']}"]) if c["total"] else "none"
+                rows.append(f"{head} {name}: TFLOP/s (TE calls: {_cell(calls)}) | "
+                            f"{_num(f['tflops'])} |")
+                if f.get("speed_vs_none"):
+                    rows.append(f"{head} {name}: speed vs bf16 | {f['speed_vs_none']:.2f}x |")
+                rows += [f"{head} {name}: relative error of {t} vs f32 | {f[f'rel_err_{t}']:.1e} |"
+                         for t in ("y", "dx", "dw")]
             continue
         if "rows" in r and "flops_per_token" in r:  # train_step.py
             head = f"| {r.get('date', '?')} | {r.get('device_kind', '?')} | `{shlex.join(cmd)}` |"
