@@ -8,6 +8,7 @@
 PY ?= $(shell for p in python3 python3.12 python3.13 $$HOME/.pyenv/versions/3.12*/bin/python $$HOME/.pyenv/versions/3.13*/bin/python; do "$$p" -c 'import sys; assert sys.version_info >= (3, 12)' >/dev/null 2>&1 && { command -v "$$p"; break; }; done)
 VENV ?= .venv
 VENV_GPU ?= .venv-gpu
+VENV_TE ?= .venv-te
 WORKDIR ?= runs/tiny
 CONFIG ?= configs/tiny.py
 CPU_MESH = XLA_FLAGS="$${XLA_FLAGS:-} --xla_force_host_platform_device_count=8"
@@ -46,20 +47,23 @@ $(VENV_GPU)/.installed: pyproject.toml
 	$(@D)/bin/python -m pip install -q -e '.[gpu,test]'
 	touch $@
 
-# NVIDIA Transformer Engine (kernels.expert_gemm=te) into the gpu virtualenv: the `te` extra (TE's core library and
-# the build's headers), then its JAX extension, which PyPI has only as source: built against the CUDA wheels' headers
-# (NVTE_BUILD_USE_NVIDIA_WHEELS=1; no nvcc, no GPU), at the version of the core library installed; about 5 minutes
-# of one core and 2.5 GB of memory the first time, then pip's cache of the built wheel.
-$(VENV_GPU)/.installed-te: $(VENV_GPU)/.installed pyproject.toml
-	$(VENV_GPU)/bin/python -m pip install -q -e '.[gpu,test,te]'
-	NVTE_BUILD_USE_NVIDIA_WHEELS=1 $(VENV_GPU)/bin/python -m pip install -q --no-build-isolation --no-deps \
-		"transformer-engine-jax==$$($(VENV_GPU)/bin/python -c 'import importlib.metadata as m; print(m.version("transformer-engine-cu12"))')"
+# NVIDIA Transformer Engine (kernels.expert_gemm=te) in its own virtualenv: the `te` extra (jax's CUDA 13 plugin,
+# tokamax, TE's CUDA 13 core library and what its build needs), then TE's JAX extension, which PyPI has only as
+# source: built against the CUDA wheels' headers (NVTE_BUILD_USE_NVIDIA_WHEELS=1; no nvcc, no GPU), at the version of
+# the core library installed; about 5 minutes of one core and 2.5 GB of memory the first time, then pip's cache.
+$(VENV_TE)/.installed: pyproject.toml
+	$(NEED_PY)
+	$(call MAKE_VENV,$(@D))
+	$(@D)/bin/python -m pip install -q --upgrade pip
+	$(@D)/bin/python -m pip install -q -e '.[te,test]'
+	NVTE_BUILD_USE_NVIDIA_WHEELS=1 $(@D)/bin/python -m pip install -q --no-build-isolation --no-deps \
+		"transformer-engine-jax==$$($(@D)/bin/python -c 'import importlib.metadata as m; print(m.version("transformer-engine-cu13"))')"
 	touch $@
 
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 install-gpu: $(VENV_GPU)/.installed
-install-te: $(VENV_GPU)/.installed-te
+install-te: $(VENV_TE)/.installed
 
 # Then a look at what it learned: text continuing the start of two held-out documents, sampled (temperature 0.7,
 # top-k 20: greedy decoding of a model this small repeats itself).
@@ -93,10 +97,10 @@ test-gpu: $(VENV_GPU)/.installed
 		$(GPU_EXTRA_TESTS) $(VERSION_FILES)
 
 # Transformer Engine's grouped GEMM in the deviceless GB300 / H200 compiles (tests/test_te_compile.py; it fails
-# rather than skips without TE here), on the gpu virtualenv with TE built in. Not in CI: building TE takes longer
-# than CI's budget leaves (docs/testing.md).
-test-te: $(VENV_GPU)/.installed-te
-	MOEJAX_TE_COMPILE=1 MOEJAX_GPU_COMPILE=1 JAX_PLATFORMS=cpu $(VENV_GPU)/bin/python $(PYTEST) --slow \
+# rather than skips without TE here) and on CPU, in the TE virtualenv. Not in CI: building TE takes longer than CI's
+# budget leaves (docs/testing.md).
+test-te: $(VENV_TE)/.installed
+	MOEJAX_TE_COMPILE=1 MOEJAX_GPU_COMPILE=1 JAX_PLATFORMS=cpu $(VENV_TE)/bin/python $(PYTEST) --slow \
 		tests/test_te_compile.py tests/test_te_gemm.py
 
 bench: $(VENV)/.installed

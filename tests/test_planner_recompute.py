@@ -44,6 +44,28 @@ def test_matmul_flops_counts_dots_scans_and_ragged_groups_once():
     assert matmul_flops(vjp.jaxpr) == 3 * 2 * 12 * 8 * 5
 
 
+def test_fp8_gemms_count_as_the_gemms_they_are():
+    """An FP8 GEMM's FLOPs are its bf16 GEMM's: mxfp8's GPU branch is a block-scaled `scaled_matmul` (counted), and
+    Transformer Engine's grouped GEMM is traced as its emulation (ragged dots); so an FP8 step's recompute factor is
+    its bf16 step's, not that of the GEMMs left in bf16."""
+    from moejax.kernels import fp8
+
+    x, w = jax.ShapeDtypeStruct((64, 256), jnp.bfloat16), jax.ShapeDtypeStruct((256, 128), jnp.bfloat16)
+    for fmt in ("mxfp8", "tensorwise", "blockwise"):
+        step = jax.make_jaxpr(lambda x, w: jax.vjp(lambda x, w: fp8.fp8_matmul(x[None], w[None], fmt)[0], x, w)[1](
+            jnp.ones((64, 128), jnp.bfloat16)))(x, w)
+        assert matmul_flops(step.jaxpr) == 3 * 2 * 64 * 256 * 128, fmt
+    cfg = config("deepseek_v3_small")
+    cfg.moe.d_ff_expert = 128
+    for gemm in ("einsum", "te"):  # the same program in bf16 and in FP8: the same FLOPs, the same factor
+        flops = {}
+        for fmt in ("none", "mxfp8"):
+            c = cfg.copy_and_resolve_references()
+            c.model.fp8, c.kernels.expert_gemm = fmt, gemm
+            flops[fmt] = [step_flops(c, remat) for remat in ("none", "full")]
+        assert flops["mxfp8"] == flops["none"], (gemm, flops)
+
+
 def test_recompute_factors_of_a_small_deepseek_v3_are_traced():
     cfg = config("deepseek_v3_small")
     f = {r: recompute_factor(cfg, r) for r in ("none", "dots", "full")}

@@ -22,8 +22,8 @@ GPU_EXTRA = "pip install 'moejax[gpu]' (Python >= 3.12)"
 CUDNN_MAX_HEAD_DIM = 128
 
 
-TE_INSTALL = ("`make install-te` (builds NVIDIA Transformer Engine's JAX extension into .venv-gpu; on GPU hosts "
-              "NVIDIA's JAX containers ship it: docs/kernels.md)")
+TE_INSTALL = ("`make install-te` (a virtualenv .venv-te with jax's CUDA 13 plugin and TE, its JAX extension built from "
+              "source; on GPU hosts NVIDIA's JAX containers ship it: docs/kernels.md)")
 # Transformer Engine's grouped GEMM: which model.fp8 formats it runs (its JAX side has no DeepSeek 128 x 128 blockwise
 # and no rowwise scaling), and the row/dim alignment its MXFP8 kernels need (32-element blocks, scales padded to
 # 128 x 4; the cuBLAS grouped GEMM's setup reads each group's scales at 128-row offsets).
@@ -257,10 +257,8 @@ def model_kernels(cfg) -> dict[str, str]:
     the mesh's platform, which may differ from this process's: a deviceless GPU compile), `auto` resolved
     against jax's default backend (a model built directly, e.g. by load_hf)."""
     asked = {k: cfg.kernels[k] for k in KERNEL_FIELDS}
-    if "auto" not in asked.values():
-        return asked  # resolve_kernels would check them against this process's platform, not the mesh's
-    resolved = resolve_kernels(cfg)
-    return {k: resolved[k] if v == "auto" else v for k, v in asked.items()}
+    # Only the `auto` fields: a concrete choice would be checked against this process's platform, not the mesh's.
+    return {k: resolve_kernel(cfg, k) if v == "auto" else v for k, v in asked.items()}
 
 
 def apply_kernels(cfg, platform: str, compute_capability: float | None = None) -> str:

@@ -94,7 +94,8 @@ def trace_config(cfg, *, remat: str, dispatch: str | None = None, platform: str 
         c.mesh.stage, c.mesh.virtual_stages = 1, 1
         if dispatch:
             c.moe.dispatch = dispatch
-        # (FP8 expert GEMMs are einsums on every platform: kernels/resolve.py)
+        # FP8 expert GEMMs: qwix's einsums (`auto`: kernels/resolve.py), or Transformer Engine's grouped GEMM when the
+        # config names `te` (traced as its emulation: te_gemm.stand_in)
         accelerator = platform in ("gpu", "tpu")
         ragged = c.moe.dispatch == "dropless" and c.model.get("fp8", "none") == "none"
         if c.kernels.expert_gemm == "auto" or c.kernels.expert_gemm == "tokamax":

@@ -152,6 +152,7 @@ def estimate_memory(cfg, layout: Layout, seq_len: int | None = None, platform: s
         saved = (outside * n_micro // layout.stage
                  + int(act.moe_layer * per_chunk * schedule_ticks(layout.stage, n_micro, layout.virtual)))
         logits = logits * n_micro // layout.stage
-    workspace = te_gemm.WORKSPACE_BYTES["v1"] if cfg.kernels.get("expert_gemm") == "te" else 0
+    # TE built as `make install-te` builds it (the V2 grouped GEMM: one stream's workspace); the dry run reports which
+    workspace = te_gemm.WORKSPACE_BYTES["v2"] if cfg.kernels.get("expert_gemm") == "te" else 0
     return replace(state_memory(cfg, layout, platform), activations=saved, layer_transient=act.layer, logits=logits,
                    context_kv=act.context_kv, kernel_workspace=workspace)

@@ -1,8 +1,9 @@
 """Recompute factor of a remat policy (hardware FLOPs / model FLOPs), from the traced training program.
 
 The loss's forward + backward (`jax.vjp` of the real loss on abstract inputs, micro-batch 1) is traced to a
-jaxpr under each policy and the FLOPs of its matrix multiplications are counted: every `dot_general` and
-`ragged_dot_general` (2 x multiply-adds; a ragged grouped matmul counts its rows once, not once per group),
+jaxpr under each policy and the FLOPs of its matrix multiplications are counted: every `dot_general`,
+`ragged_dot_general` (2 x multiply-adds; a ragged grouped matmul counts its rows once, not once per group) and
+block-scaled `scaled_matmul` (mxfp8 on GPUs),
 inside scans times their length, inside `cond` the largest branch, inside a while loop (dropless overflow
 rounds, data-dependent) none: the plan is for steps whose load fits the receive window. Without remat the program is the forward
 and its two backward GEMMs per forward GEMM; under a policy the backward also recomputes every forward
@@ -37,6 +38,9 @@ from moejax.planner.activations import abstract_loss, trace_config
 def _matmul_flops(eqn) -> int | None:
     """2 x multiply-adds of a dot_general / ragged_dot_general; None for any other primitive."""
     name = eqn.primitive.name
+    if name == "scaled_matmul_wrapper":  # jax.nn.scaled_matmul (mxfp8 on GPUs): lhs [B, M, K] x rhs [B, N, K]
+        lhs, rhs = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
+        return 2 * int(np.prod(lhs, dtype=np.int64)) * int(rhs[1])
     if name == "dot_general":
         (_, rhs_contract), (_, rhs_batch) = eqn.params["dimension_numbers"]
         group = ()
