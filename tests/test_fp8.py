@@ -292,6 +292,9 @@ def test_fp8_expert_gemm_auto_picks_transformer_engine_only_where_installed_on_g
     assert resolve_kernels(c, "gpu", 10.3)["expert_gemm"] == "einsum"  # qwix's einsum
     monkeypatch.setattr(resolve, "te_available", lambda: True)
     assert resolve_kernels(c, "gpu", 10.3)["expert_gemm"] == "te"
+    c.moe.d_ff_expert = 96  # dims TE's layouts do not take: auto keeps qwix's einsum (asked for by name: an error)
+    assert resolve_kernels(c, "gpu", 10.3)["expert_gemm"] == "einsum"
+    c.moe.d_ff_expert = 128
     assert resolve_kernels(_fp8_config("tensorwise"), "cpu")["expert_gemm"] == "einsum"  # TE runs on GPUs only
     c.model.fp8 = "blockwise"  # a recipe TE's JAX side does not have: auto keeps qwix's
     assert resolve_kernels(c, "gpu", 9.0)["expert_gemm"] == "einsum"

@@ -121,7 +121,8 @@ def _expert_gemm(cfg, platform: str, compute_capability: float | None = None) ->
     kernel = cfg.kernels.expert_gemm
     ragged = cfg.moe.dispatch == "dropless"
     fmt = cfg.model.get("fp8", "none")
-    if kernel == "te" or (kernel == "auto" and fmt in TE_FP8_FORMATS[1:] and platform == "gpu" and te_available()):
+    if kernel == "te" or (kernel == "auto" and fmt in TE_FP8_FORMATS[1:] and platform == "gpu"
+                          and _te_dims_problem(cfg) is None and te_available()):
         return _te(cfg, platform, kernel)
     if fmt != "none":
         # FP8 expert GEMMs are Transformer Engine's grouped GEMM (above) or qwix-quantised einsums (kernels/fp8.py).
@@ -172,14 +173,20 @@ def _te(cfg, platform: str, asked: str) -> str:
         raise ConfigError(f"kernels.expert_gemm='te' with model.fp8={fmt!r}: Transformer Engine's JAX grouped GEMM has "
                           "no blockwise or rowwise scaling; use model.fp8='mxfp8' (Blackwell), 'tensorwise' (Hopper) or "
                           "'none', or kernels.expert_gemm='einsum'")
+    if problem := _te_dims_problem(cfg):
+        raise ConfigError(f"kernels.expert_gemm='te': {problem} (Transformer Engine's grouped GEMM layouts); change "
+                          "it or use kernels.expert_gemm='einsum'")
+    return "te"
+
+
+def _te_dims_problem(cfg) -> str | None:
+    """Why the expert dims do not fit TE's layouts (multiples of TE_ALIGN per tensor shard), or None."""
     tensor = max(1, int(cfg.mesh.tensor))
     dims = {"model.d_model": int(cfg.model.d_model), "moe.d_ff_expert": int(cfg.moe.d_ff_expert) // tensor}
     for name, dim in dims.items():
         if dim % TE_ALIGN:
-            raise ConfigError(f"kernels.expert_gemm='te': {name} ({dim} per tensor shard) must be a multiple of "
-                              f"{TE_ALIGN} (Transformer Engine's grouped GEMM layouts); change it or use "
-                              "kernels.expert_gemm='einsum'")
-    return "te"
+            return f"{name} ({dim} per tensor shard) must be a multiple of {TE_ALIGN}"
+    return None
 
 
 # moe.exchange_chunks=0 (auto) for dropless on GPUs with expert parallelism: two slices per exchange. In the
