@@ -29,6 +29,9 @@ from moejax.training.restart_policy import LOST_PEER, cause, should_restart
 
 
 KILL_AFTER_S = 5  # after a failure, the others get SIGTERM (a survivor is left with a dead peer), then SIGKILL
+# After a failure, how long the others may take to print their own error and exit by themselves (a survivor exits 6
+# on its next collective) before they are stopped; MOEJAX_LAUNCH_GRACE_S overrides it (tests on a loaded machine).
+GRACE_S = float(os.environ.get("MOEJAX_LAUNCH_GRACE_S", "2"))
 
 
 def free_port() -> int:
@@ -93,7 +96,9 @@ def launch(num_processes: int, devices_per_process: int, train_args: list[str], 
     try:
         while any(p.poll() is None for p in procs):
             if not first_failure and any(p.poll() not in (None, 0) for p in procs):
-                time.sleep(2)  # let the others print their own error (and exit by themselves) before they are stopped
+                grace_end = time.monotonic() + GRACE_S  # the others print their own error and may exit by themselves
+                while time.monotonic() < grace_end and any(p.poll() is None for p in procs):
+                    time.sleep(0.1)
                 failures = [(i, p.returncode) for i, p in enumerate(procs) if p.poll() not in (None, 0)]
                 # a process that left because its peer was lost (6) reports a consequence: name the peer's exit
                 failed, first_failure = next((f for f in failures if f[1] != LOST_PEER), failures[0])
