@@ -235,7 +235,10 @@ def test_every_fp8_gemm_stays_inside_its_scaling_bound(fmt):
     weight = {"blockwise": reference_blockwise_weight}.get(fmt, rows)  # rowwise: per output column
     grads, grad_format = rows, E4M3
     if fmt == "tensorwise":  # gradients in e5m2
-        grads, grad_format = (lambda a, rounding="divide": reference_tensorwise(a, rounding, ml_dtypes.float8_e5m2)), E5M2
+        def grads(a, rounding="divide"):
+            return reference_tensorwise(a, rounding, ml_dtypes.float8_e5m2)
+
+        grad_format = E5M2
     products = {  # name: (fp8 result, a [R, K], b [C, K], how a and b are quantised, their formats)
         "y": (y, x, w.T, rows, weight, E4M3, E4M3),
         "dx": (dx, dy, w, grads, weight, grad_format, E4M3),

@@ -43,7 +43,8 @@ def te_available() -> bool:
         return False
     if importlib.util.find_spec("transformer_engine_jax") is not None:
         return True
-    return any(next(Path(root).rglob("transformer_engine_jax*.so"), None) for root in spec.submodule_search_locations or ())
+    roots = spec.submodule_search_locations or ()
+    return any(next(Path(root).rglob("transformer_engine_jax*.so"), None) for root in roots)
 
 
 def _platform(platform: str | None) -> str:
@@ -123,7 +124,7 @@ def _expert_gemm(cfg, platform: str, compute_capability: float | None = None) ->
     fmt = cfg.model.get("fp8", "none")
     if kernel == "te" or (kernel == "auto" and fmt in TE_FP8_FORMATS[1:] and platform == "gpu"
                           and _te_dims_problem(cfg) is None and te_available()):
-        return _te(cfg, platform, kernel)
+        return _te(cfg, platform)
     if fmt != "none":
         # FP8 expert GEMMs are Transformer Engine's grouped GEMM (above) or qwix-quantised einsums (kernels/fp8.py).
         # tokamax 0.0.17 has no FP8 x FP8 ragged kernel: its sm100 "fp8" kernel takes e4m3 activations with int4
@@ -162,7 +163,7 @@ def _expert_gemm(cfg, platform: str, compute_capability: float | None = None) ->
     return kernel
 
 
-def _te(cfg, platform: str, asked: str) -> str:
+def _te(cfg, platform: str) -> str:
     """kernels.expert_gemm='te' (asked, or `auto` with FP8 on GPUs where it is installed) checked."""
     fmt = cfg.model.get("fp8", "none")
     _need_gpu("expert_gemm", "te", platform)
@@ -170,9 +171,9 @@ def _te(cfg, platform: str, asked: str) -> str:
         raise ConfigError(f"kernels.expert_gemm='te' needs NVIDIA Transformer Engine with its JAX extension, which is "
                           f"not installed: {TE_INSTALL}")
     if fmt not in TE_FP8_FORMATS:
-        raise ConfigError(f"kernels.expert_gemm='te' with model.fp8={fmt!r}: Transformer Engine's JAX grouped GEMM has "
-                          "no blockwise or rowwise scaling; use model.fp8='mxfp8' (Blackwell), 'tensorwise' (Hopper) or "
-                          "'none', or kernels.expert_gemm='einsum'")
+        raise ConfigError(f"kernels.expert_gemm='te' with model.fp8={fmt!r}: Transformer Engine's JAX grouped GEMM "
+                          "has no blockwise or rowwise scaling; use model.fp8='mxfp8' (Blackwell), 'tensorwise' "
+                          "(Hopper) or 'none', or kernels.expert_gemm='einsum'")
     if problem := _te_dims_problem(cfg):
         raise ConfigError(f"kernels.expert_gemm='te': {problem} (Transformer Engine's grouped GEMM layouts); change "
                           "it or use kernels.expert_gemm='einsum'")

@@ -152,7 +152,8 @@ def expert_ffn(x_RxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, group_sizes_E, *, 
     TE_ALIGN, the sizes summing to R; padding rows zero, so they come out zero). ffn_axis: the weights hold this
     device's slice of the FFN dim, partial outputs summed over that mesh axis."""
     if x_RxD.shape[0] % TE_ALIGN:
-        raise ValueError(f"Transformer Engine's grouped GEMM takes rows in multiples of {TE_ALIGN}, got {x_RxD.shape[0]}")
+        raise ValueError(f"Transformer Engine's grouped GEMM takes rows in multiples of {TE_ALIGN}, "
+                         f"got {x_RxD.shape[0]}")
     gate_RxF = checkpoint_name(grouped_dense(x_RxD, w_gate_ExDxF, group_sizes_E), EXPERT_GEMM)
     up_RxF = checkpoint_name(grouped_dense(x_RxD, w_up_ExDxF, group_sizes_E), EXPERT_GEMM)
     y_RxD = checkpoint_name(grouped_dense(jax.nn.silu(gate_RxF) * up_RxF, w_down_ExFxD, group_sizes_E), EXPERT_GEMM)

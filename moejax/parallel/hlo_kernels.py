@@ -93,8 +93,10 @@ def stacked_weight_copies(hlo_text: str) -> dict[str, int]:
     return dict(sorted(copies.items()))
 
 
-_TE_GEMM = re.compile(r"= \((?P<out>\w+)\[(?P<out_dims>[0-9,]*)\](?:\{[0-9,]*\})?, u8\[(?P<workspace>\d+)\][^)]*\) custom-call\(.*?"
-                      r'custom_call_target="te_grouped_gemm(?P<v2>_v2)?_ffi", operand_layout_constraints=\{(?P<ops>.*?)\}, '
+_TE_GEMM = re.compile(r"= \((?P<out>\w+)\[(?P<out_dims>[0-9,]*)\](?:\{[0-9,]*\})?, "  # the output, then
+                      r"u8\[(?P<workspace>\d+)\][^)]*\) custom-call\(.*?"  # the cuBLAS workspace (V2: + 2 small)
+                      r'custom_call_target="te_grouped_gemm(?P<v2>_v2)?_ffi", '
+                      r"operand_layout_constraints=\{(?P<ops>.*?)\}, "
                       r'api_version.*?op_name="(?P<op>[^"]*)"')
 _AD_TRANSFORM = re.compile(r"transpose\(jvp\(\)\)|jvp\(\)")
 _OPERAND = re.compile(r"(\w+)\[[0-9,]*\](?:\{[0-9,]*\})?")

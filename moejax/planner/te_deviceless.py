@@ -67,9 +67,12 @@ def stub_driver_path() -> Path:
     src = lib.parent / "stub.c"
     src.write_text(stub_source())
     tmp = lib.parent / f"libcuda.so.1.{os.getpid()}"
-    done = subprocess.run([cc, "-shared", "-fPIC", "-O1", "-Wl,-soname,libcuda.so.1", "-o", str(tmp), str(src)], capture_output=True, text=True)
+    # the soname makes the libraries linked against libcuda.so.1 bind to it once it is loaded by path
+    build = [cc, "-shared", "-fPIC", "-O1", "-Wl,-soname,libcuda.so.1", "-o", str(tmp), str(src)]
+    done = subprocess.run(build, capture_output=True, text=True)
     if done.returncode:
-        raise ConfigError(f"building the stand-in CUDA driver with {cc} failed: {done.stderr.strip().splitlines()[-1:]}")
+        last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+        raise ConfigError(f"building the stand-in CUDA driver with {cc} failed: {last}")
     os.replace(tmp, lib)  # atomic: a concurrent dry run sees the whole library or none
     return lib
 
