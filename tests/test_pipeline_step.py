@@ -68,6 +68,7 @@ def in_layer_order(cfg, path, value):
         "pp4-6-layers", "pp2xvp2-data2-dropless", "pp4-dropless-overflow", "pp2-3-micro-batches",
         "pp2xvp2-2-in-flight", "pp2-context2xexpert2-dropless"])
 def test_pipelined_step_equals_one_device(devices, stages, virtual, micro, n_moe, axes, dispatch):
+    """Both schedules (circular and 1f1b) against one one-device reference step."""
     rows = 12 if micro == 3 else 8
     tokens = np.random.default_rng(100 * stages + 10 * virtual + micro + n_moe).integers(0, 259, size=(rows, 17),
                                                                                          dtype=np.int32)
@@ -75,34 +76,42 @@ def test_pipelined_step_equals_one_device(devices, stages, virtual, micro, n_moe
     single.train.global_batch = rows
     single.mesh.data = 1
     params_1, state_1, metrics_1 = one_step(single, devices[:1], tokens)
-    piped = pipeline_config(dispatch, micro, n_moe)
-    piped.train.global_batch = rows
-    piped.mesh.stage, piped.mesh.virtual_stages, piped.mesh.data = stages, virtual, 1
-    for axis, size in axes.items():
-        if axis == "exchange_chunks":
-            piped.moe.exchange_chunks = size
-        else:
-            piped.mesh[axis] = size
-    params_p, state_p, metrics_p = one_step(piped, devices, tokens)
+    for schedule in ("circular", "1f1b"):
+        piped = pipeline_config(dispatch, micro, n_moe)
+        piped.train.global_batch = rows
+        piped.mesh.stage, piped.mesh.virtual_stages, piped.mesh.data = stages, virtual, 1
+        piped.mesh.pipeline_schedule = schedule
+        for axis, size in axes.items():
+            if axis == "exchange_chunks":
+                piped.moe.exchange_chunks = size
+            else:
+                piped.mesh[axis] = size
+        params_p, state_p, metrics_p = one_step(piped, devices, tokens)
+        _assert_same_step(piped, dispatch, n_moe, rows, (params_p, state_p, metrics_p), (params_1, state_1, metrics_1),
+                          schedule)
 
+
+def _assert_same_step(piped, dispatch, n_moe, rows, got, want, schedule):
+    params_p, state_p, metrics_p = got
+    params_1, state_1, metrics_1 = want
     for key in ("loss", "total_loss", "mtp_loss", "grad_norm", "aux_loss", "seq_aux_loss"):
-        np.testing.assert_allclose(metrics_p[key], metrics_1[key], rtol=2e-5, err_msg=key)
+        np.testing.assert_allclose(metrics_p[key], metrics_1[key], rtol=2e-5, err_msg=f"{schedule}: {key}")
     if dispatch.startswith("dropless"):
         assert metrics_p["dropped_fraction"] == 0 == metrics_1["dropped_fraction"]
     if dispatch == "dropless-overflow":
         assert metrics_p["dropless_rounds"] > 1  # the overflow rounds ran inside the stages
-    np.testing.assert_array_equal(metrics_p["tokens_per_expert"], metrics_1["tokens_per_expert"])
+    np.testing.assert_array_equal(metrics_p["tokens_per_expert"], metrics_1["tokens_per_expert"], err_msg=schedule)
     assert np.asarray(metrics_1["tokens_per_expert"]).sum() == (n_moe + 1) * rows * 16 * 2  # MoE layers + MTP, T x k
     flat_1 = dict(jax.tree_util.tree_leaves_with_path(params_1))
     for path, p in jax.tree_util.tree_leaves_with_path(params_p):
         want = flat_1[path]
         np.testing.assert_allclose(in_layer_order(piped, path, p).reshape(want.shape), want, rtol=1e-5, atol=1e-6,
-                                   err_msg=jax.tree_util.keystr(path))
+                                   err_msg=f"{schedule}: {jax.tree_util.keystr(path)}")
     bias_path = ("moe_layers", "ffn", "router", "bias_E")
     bias_1 = state_1["moe_layers"]["ffn"]["router"]["bias_E"]
     bias_p = in_layer_order(piped, [jax.tree_util.DictKey(k) for k in bias_path],
                             state_p["moe_layers"]["ffn"]["router"]["bias_E"])
-    np.testing.assert_array_equal(bias_p, bias_1)
+    np.testing.assert_array_equal(bias_p, bias_1, err_msg=schedule)
     assert np.abs(bias_1).max() > 0
 
 

@@ -17,6 +17,7 @@ DTYPES = ("float32", "bfloat16")
 FP8_FORMATS = ("none", "blockwise", "rowwise", "tensorwise", "mxfp8")  # moejax.kernels.fp8.FORMATS (this module stays jax-free)
 SCORE_FUNCS = ("sigmoid", "softmax")
 DISPATCH_MODES = ("capacity", "allgather", "dropless")
+PIPELINE_SCHEDULES = ("circular", "1f1b")
 DROP_POLICIES = ("position", "probability")
 # Kernels (moejax/kernels/): `auto` resolves from the platform of the mesh's devices (kernels.resolve).
 ATTENTION_KERNELS = ("auto", "xla", "cudnn", "tokamax_mosaic", "tokamax_triton")
@@ -141,6 +142,9 @@ def default_config() -> ml_collections.ConfigDict:
     # train.micro_batches: passes of k micro-batches with the gradient accumulated over M / k of them, so the
     # activations of k micro-batches are live instead of M; bubble (S-1)/(k x V) per pass (docs/pipeline.md)
     ms.pipeline_in_flight = 0
+    # circular: every micro-batch's forward, then every backward (MaxText's, parallel/pipeline.py); 1f1b: interleaved
+    # 1F1B with an explicit backward (Megatron's order): live activations bounded by the stages, not the micro-batches
+    ms.pipeline_schedule = "circular"
     ms.data = -1  # -1: whatever the other axes leave
     ms.fsdp = 1
     ms.expert = 1

@@ -17,7 +17,7 @@ from moejax.config.layers import check_pipeline_layers, layer_plan, pipeline_in_
 from moejax.config.ranges import check_choice, check_ranges
 from moejax.config.schema import (ATTENTION_KERNELS, ATTENTION_KINDS, DISPATCH_MODES, DROP_POLICIES, DTYPES,
                                   EXPERT_GEMM_KERNELS, FP8_FORMATS, LOSS_KERNELS, MESH_AXES, ON_BAD_CHECKPOINT,
-                                  OPTIMIZER_STATE_SHARDINGS, REMAT_POLICIES, ROPE_SCALINGS, SCORE_FUNCS, WANDB_MODES,
+                                  OPTIMIZER_STATE_SHARDINGS, PIPELINE_SCHEDULES, REMAT_POLICIES, ROPE_SCALINGS, SCORE_FUNCS, WANDB_MODES,
                                   ConfigError)
 
 
@@ -88,6 +88,7 @@ def validate(cfg, n_devices: int) -> dict[str, int]:
     _validate_attention(m)
     check_choice("moe.score_func", e.score_func, SCORE_FUNCS)
     check_choice("moe.dispatch", e.dispatch, DISPATCH_MODES)
+    check_choice("mesh.pipeline_schedule", cfg.mesh.get("pipeline_schedule", "circular"), PIPELINE_SCHEDULES)
     check_choice("moe.drop_policy", e.drop_policy, DROP_POLICIES)
     if e.get("exchange_chunks", 0) > 1 and e.dispatch == "allgather":
         raise ConfigError(f"moe.exchange_chunks={e.exchange_chunks} splits the all-to-all of capacity and dropless "

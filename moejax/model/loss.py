@@ -93,22 +93,34 @@ def with_batch_balance(stats: MoEStats, coef: float) -> MoEStats:
     return stats._replace(batch_aux_loss=rows_R, aux_loss=aux)
 
 
+def head_ce(model, w_DxV, h_BxLxD, targets_BxL, mask_BxL):
+    """Mean next-token cross-entropy of the LM head w over the final hidden states h (model.loss_kernel). With the
+    sequence split over `context` the hidden states are in context order: the targets and masks are put in the same
+    order, and each shard's positions become rows of their own, so the chunked loss scans local positions (a mean
+    over positions does not care about their order)."""
+    parts = context_size()
+    h_BxLxD, targets_BxL, mask_BxL = (fold_context_into_rows(a, parts) for a in (
+        h_BxLxD, to_context_order(targets_BxL, parts), to_context_order(mask_BxL, parts)))
+    nll_BxL = head_cross_entropy(model.loss_kernel, h_BxLxD, w_DxV, targets_BxL, chunk=model.loss_chunk,
+                                 folded=parts > 1)
+    return masked_mean(nll_BxL, mask_BxL)
+
+
+def micro_batch_balance(stats_MxR: MoEStats, coef: float):
+    """(the step's statistics, the weighted balance loss) of per-micro-batch statistics [M, rows, ...]: each
+    micro-batch's batch-wise balance loss over its own rows (as gradient accumulation computes it), their mean."""
+    stats_MxR = jax.vmap(lambda s: with_batch_balance(s, coef))(stats_MxR)
+    return combine_micro_stats(stats_MxR), jnp.sum(stats_MxR.aux_loss) / stats_MxR.aux_loss.shape[0]
+
+
 def lm_loss(model, tokens_BxL1, segment_ids_BxL1=None, *, mtp_weight: float = 0.0):
     """(total loss, LossParts). tokens_BxL1 holds L inputs and their L next-token targets (L + 1 tokens)."""
     segments = segment_ids_BxL1 if segment_ids_BxL1 is not None else jnp.zeros_like(tokens_BxL1)
     out = model.hidden(tokens_BxL1[:, :-1], None if segment_ids_BxL1 is None else segment_ids_BxL1[:, :-1])
     w_DxV = model.head_DxV[...]  # as stored (f32): the kernels compute in h's dtype and return an f32 gradient
-    # With the sequence split over `context` the hidden states are in context order: the targets and masks are put
-    # in the same order, and each shard's positions become rows of their own, so the chunked loss scans local
-    # positions (a mean over positions does not care about their order).
-    parts = context_size()
 
     def ce_of(h_BxLxD, targets_BxL, mask_BxL):
-        h_BxLxD, targets_BxL, mask_BxL = (fold_context_into_rows(a, parts) for a in (
-            h_BxLxD, to_context_order(targets_BxL, parts), to_context_order(mask_BxL, parts)))
-        nll_BxL = head_cross_entropy(model.loss_kernel, h_BxLxD, w_DxV, targets_BxL, chunk=model.loss_chunk,
-                                     folded=parts > 1)
-        return masked_mean(nll_BxL, mask_BxL)
+        return head_ce(model, w_DxV, h_BxLxD, targets_BxL, mask_BxL)
 
     ce = ce_of(out.h_BxLxD, tokens_BxL1[:, 1:], target_mask(segments, 0))
     total = ce
@@ -123,9 +135,7 @@ def lm_loss(model, tokens_BxL1, segment_ids_BxL1=None, *, mtp_weight: float = 0.
     if stats is not None:
         coef = float(model.moe_layers.ffn.batch_aux_loss_coef)
         if getattr(model, "pipelined", False):  # [M, rows, ...]: the balance losses per pass, their mean counts
-            stats = jax.vmap(lambda s: with_batch_balance(s, coef))(stats)
-            aux = jnp.sum(stats.aux_loss) / stats.aux_loss.shape[0]
-            stats = combine_micro_stats(stats)
+            stats, aux = micro_batch_balance(stats, coef)
         else:
             stats = with_batch_balance(stats, coef)
             aux = jnp.sum(stats.aux_loss)

@@ -295,6 +295,8 @@ class Transformer(nnx.Module):
         check_pipeline_layers(m, self.stages)
         self.pipelined = self.stages > 1 and self.n_moe > 0
         self.micro_batches = pipeline_in_flight(cfg)  # per pass (program/step.py accumulates over the passes)
+        # circular (parallel/pipeline.py) | 1f1b (parallel/one_f_one_b.py, training only: model/pipelined_loss.py)
+        self.pipeline_schedule = str(cfg.mesh.get("pipeline_schedule", "circular"))
         self.embed = Embed(m.vocab_size, m.d_model, rngs=rngs, std=m.init_std, param_dtype=pdt)
         self.dense_layers = _stacked_blocks(cfg, self.n_dense, moe=False, rngs=rngs) if self.n_dense else None
         self.moe_layers = (_stacked_blocks(cfg, self.n_moe, moe=True, rngs=rngs, in_pipeline=self.pipelined)
@@ -345,7 +347,9 @@ class Transformer(nnx.Module):
         with fp8.gemms_in(self.fp8):
             return self._hidden(tokens_BxL, segment_ids_BxL)
 
-    def _hidden(self, tokens_BxL, segment_ids_BxL=None) -> HiddenOutput:
+    def _embedded(self, tokens_BxL, segment_ids_BxL=None):
+        """(embeddings [B, L, D], positions, segment ids) as the layers see them (context order and its query
+        ranges with context parallelism)."""
         batch, seq = tokens_BxL.shape
         if segment_ids_BxL is None:
             positions_BxL = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
@@ -355,10 +359,21 @@ class Transformer(nnx.Module):
         if parts > 1:  # every layer works on context-ordered positions; attention reads each query's key range
             segment_ids_BxL, positions_BxL = context_queries(positions_BxL, parts)
         x_BxLxD = constrain(self.embed(to_context_order(tokens_BxL, parts), self.dtype), ACT_BxLxD)
-        if self.pipelined:  # the dense layers all come first (check_pipeline_layers)
-            if self.dense_layers is not None:
-                x_BxLxD, _ = _run_stack(self.dense_layers, x_BxLxD, positions_BxL, segment_ids_BxL, self.remat)
-            return self._pipelined(x_BxLxD, tokens_BxL, positions_BxL, segment_ids_BxL)
+        return x_BxLxD, positions_BxL, segment_ids_BxL
+
+    def pipeline_input(self, tokens_BxL, segment_ids_BxL=None):
+        """A pipelined model's parts before the stages: the embedding and the dense layers (they all come first:
+        check_pipeline_layers). (x [B, L, D], positions, segment ids as the layers see them.)"""
+        x_BxLxD, positions_BxL, segment_ids_BxL = self._embedded(tokens_BxL, segment_ids_BxL)
+        if self.dense_layers is not None:
+            x_BxLxD, _ = _run_stack(self.dense_layers, x_BxLxD, positions_BxL, segment_ids_BxL, self.remat)
+        return x_BxLxD, positions_BxL, segment_ids_BxL
+
+    def _hidden(self, tokens_BxL, segment_ids_BxL=None) -> HiddenOutput:
+        if self.pipelined:
+            x_BxLxD, positions_BxL, segments = self.pipeline_input(tokens_BxL, segment_ids_BxL)
+            return self._pipelined(x_BxLxD, tokens_BxL, positions_BxL, segments)
+        x_BxLxD, positions_BxL, segment_ids_BxL = self._embedded(tokens_BxL, segment_ids_BxL)
         moe_stats = []  # one per run of MoE layers, in layer order
         for moe, start, count in self.layer_runs:
             stack, size = (self.moe_layers, self.n_moe) if moe else (self.dense_layers, self.n_dense)
@@ -468,13 +483,16 @@ class Transformer(nnx.Module):
             state, by_stage(y_MxBxLxD), by_stage(tokens_MxB), by_stage(positions_MxB), by_stage(segments_MxB))
         return jax.tree.map(in_order, out)
 
-    def _stages_and_mtp(self, mesh, x_BxLxD, tokens_BxL, positions_BxL, segment_ids_BxL):
-        """Inside the stages: the MoE stack's pipeline, then the MTP modules once per micro-batch on every stage
-        alike (replicated over `stage`, as their MoE statistics are per pass: [M, rows, ...])."""
-        n_micro = self.micro_batches
-        side = {"positions": micro_batches(positions_BxL, n_micro)}
+    def stage_side(self, positions_BxL, segment_ids_BxL):
+        """What each stage reads for the micro-batch it works on: {positions, segments} [M, ...] per micro-batch."""
+        side = {"positions": micro_batches(positions_BxL, self.micro_batches)}
         if segment_ids_BxL is not None:  # segment ids, or ContextQueries
-            side["segments"] = jax.tree.map(lambda a: micro_batches(a, n_micro), segment_ids_BxL)
+            side["segments"] = jax.tree.map(lambda a: micro_batches(a, self.micro_batches), segment_ids_BxL)
+        return side
+
+    def stage_chunks(self):
+        """(the MoE stack as chunks (state [V, S, C, ...], is-layer mask [V, S, C] of an uneven split or None),
+        stage_fn(chunk, x, side) -> (y, stats) running one chunk's layers)."""
         graphdef, state = nnx.split(self.moe_layers)
         chunks = _as_chunks(state, self.stages, self.virtual_stages)
         is_layer_VxSxC = slot_is_layer(self.n_moe, self.stages, self.virtual_stages)
@@ -487,6 +505,14 @@ class Transformer(nnx.Module):
             return _run_stack(nnx.merge(graphdef, chunk_state), x, side_m["positions"], side_m.get("segments"),
                               self.remat, is_layer_C)
 
+        return params_VxSxC, stage_fn
+
+    def _stages_and_mtp(self, mesh, x_BxLxD, tokens_BxL, positions_BxL, segment_ids_BxL):
+        """Inside the stages: the MoE stack's pipeline, then the MTP modules once per micro-batch on every stage
+        alike (replicated over `stage`, as their MoE statistics are per pass: [M, rows, ...])."""
+        n_micro = self.micro_batches
+        side = self.stage_side(positions_BxL, segment_ids_BxL)
+        params_VxSxC, stage_fn = self.stage_chunks()
         # Micro-batches keep the rows' split (each device's share of every micro-batch) on the way in and out, so
         # the backward's per-tick slices of their cotangents need no re-layout either.
         x_MxBxLxD = constrain(micro_batches(x_BxLxD, n_micro), (None, *ACT_BxLxD))

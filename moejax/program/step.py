@@ -13,16 +13,29 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from moejax.config.layers import accumulation_passes
 from moejax.model.loss import lm_loss, target_mask
 from moejax.model.moe import combine_micro_stats, exact_dispatch
+from moejax.model.pipelined_loss import pipelined_loss, uses_1f1b
 from moejax.parallel.mesh import batch_sharding
 from moejax.parallel.pipeline import micro_batches
 from moejax.program.optim import adamw_update, lr_schedule
 from moejax.program.state import TrainState
 
 
-def _loss(params, model_state, graphdef, tokens_BxL1, segment_ids_BxL1=None, mtp_weight: float = 0.0):
-    """(total loss, (main cross-entropy, MoE stats, LossParts))."""
+def _loss(params, model_state, graphdef, tokens_BxL1, segment_ids_BxL1=None, mtp_weight: float = 0.0,
+          weights=None, train: bool = True):
+    """(objective, (main cross-entropy, MoE stats, LossParts)). The objective is lm_loss's total, or with
+    weights = (w_ce, w_mtp [D], w_aux) that weighted sum of its parts (gradient accumulation's share of each). A
+    training step of a pipelined model under mesh.pipeline_schedule=1f1b computes it inside the schedule
+    (model/pipelined_loss.py); evaluation runs the forward alone."""
     model = nnx.merge(graphdef, params, model_state)
-    total, parts = lm_loss(model, tokens_BxL1, segment_ids_BxL1, mtp_weight=mtp_weight)
+    if train and uses_1f1b(model):
+        if weights is None:
+            depth = len(model.mtp)
+            weights = (1.0, jnp.full((depth,), mtp_weight / max(depth, 1), jnp.float32), 1.0)
+        total, parts = pipelined_loss(model, tokens_BxL1, segment_ids_BxL1, weights=weights)
+    else:
+        total, parts = lm_loss(model, tokens_BxL1, segment_ids_BxL1, mtp_weight=mtp_weight)
+        if weights is not None:
+            total = weights[0] * parts.ce + jnp.sum(weights[1] * parts.mtp_ce_D) + weights[2] * parts.aux
     return total, (parts.ce, parts.stats, parts)
 
 
@@ -71,11 +84,9 @@ def _accumulate(state, graphdef, tokens_BxL1, segments_BxL1, mtp_weight, mtp_dep
     share_NxH = counts_NxH / jnp.maximum(jnp.sum(counts_NxH, axis=0), 1.0)
 
     def objective(params, model_state, tokens, segments, share_H):
-        _, (ce, stats, parts) = _loss(params, model_state, graphdef, tokens, segments, mtp_weight)
-        total = share_H[0] * parts.ce + parts.aux / n
-        if n_heads > 1:  # DeepSeek-V3 eq. 25: lambda / D * sum_k L_MTP^k
-            total = total + mtp_weight / (n_heads - 1) * jnp.sum(share_H[1:] * parts.mtp_ce_D)
-        return total, (ce, stats, parts)
+        # DeepSeek-V3 eq. 25: lambda / D * sum_k L_MTP^k
+        weights = (share_H[0], mtp_weight / max(n_heads - 1, 1) * share_H[1:], 1.0 / n)
+        return _loss(params, model_state, graphdef, tokens, segments, mtp_weight, weights)
 
     grad_fn = jax.value_and_grad(objective, argnums=(0, 1), has_aux=True)
 
@@ -136,7 +147,7 @@ def train_step(state: TrainState, batch: dict, *, graphdef, optim_cfg, schedule,
 def eval_step(state: TrainState, batch: dict, *, graphdef):
     """Held-out cross-entropy, every MoE layer dropless (exact) whatever moe.dispatch trains with."""
     with exact_dispatch():
-        _, (ce, _, _) = _loss(state.params, state.model_state, graphdef, *_unpack(batch))
+        _, (ce, _, _) = _loss(state.params, state.model_state, graphdef, *_unpack(batch), train=False)
     return ce
 
 
