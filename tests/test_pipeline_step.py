@@ -50,7 +50,7 @@ def in_layer_order(cfg, path, value):
     (2, 1, 2, 8, {"data": 2, "expert": 2, "exchange_chunks": 3}, "capacity"),
     (2, 2, 4, 8, {"expert": 2, "tensor": 2}, "capacity"),
     (4, 1, 4, 8, {"expert": 2}, "allgather"),
-    (4, 2, 4, 8, {"expert": 2}, "capacity"),
+    (4, 2, 4, 8, {"expert": 2, "remat": "attention"}, "capacity"),  # 1f1b keeps the attention outputs per chunk
     # uneven splits: 7 layers in 2 x 3 chunks of 2 slots (5 identity slots), 6 layers in 4 chunks of 2 (2)
     (2, 3, 4, 7, {"expert": 2, "tensor": 2}, "capacity"),
     (4, 1, 4, 6, {"expert": 2}, "capacity"),
@@ -59,7 +59,7 @@ def in_layer_order(cfg, path, value):
     (2, 2, 2, 8, {"data": 2, "expert": 2, "exchange_chunks": 2}, "dropless"),
     (4, 1, 4, 8, {"expert": 2}, "dropless-overflow"),
     # 3 micro-batches on 2 stages: the MTP passes split 2 + 1 over the stages (a padded pass on stage 1); 12 rows
-    (2, 1, 3, 8, {"expert": 2, "tensor": 2}, "capacity"),
+    (2, 1, 3, 8, {"expert": 2, "tensor": 2, "remat": "none"}, "capacity"),  # 1f1b: a padded group
     # 4 micro-batches in passes of 2 (mesh.pipeline_in_flight): the gradient accumulated over the two passes
     (2, 2, 4, 8, {"expert": 2, "tensor": 2, "pipeline_in_flight": 2}, "capacity"),
     # context parallelism inside the stages: sequences split over 2 devices, MTP passes split over the stages
@@ -84,6 +84,8 @@ def test_pipelined_step_equals_one_device(devices, stages, virtual, micro, n_moe
         for axis, size in axes.items():
             if axis == "exchange_chunks":
                 piped.moe.exchange_chunks = size
+            elif axis == "remat":
+                piped.model.remat = size
             else:
                 piped.mesh[axis] = size
         params_p, state_p, metrics_p = one_step(piped, devices, tokens)
