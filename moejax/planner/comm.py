@@ -107,7 +107,11 @@ def step_traffic(cfg, layout: Layout, seq_len: int | None = None) -> list[Traffi
     n_decoder_moe = layer_plan(m).n_moe
     n_moe = n_decoder_moe + int(m.get("mtp_depth", 0))
     piped = layout.stage > 1
-    ticks = n_passes * schedule_ticks(layout.stage, per_pass, layout.virtual) if piped else 0
+    # 1F1B pads a pass to whole groups of S micro-batches; its forward and backward chunks run the same ticks'
+    # worth of chunk executions as the circular schedule's (each tick one forward and one backward of a chunk).
+    scheduled = layout.scheduled_micro(int(cfg.train.global_batch))
+    ticks = n_passes * schedule_ticks(layout.stage, scheduled, layout.virtual) if piped else 0
+    groups = n_passes * scheduled // layout.stage if layout.one_f_one_b else 0  # heads run per group of S
     per_chunk = chunk_slots(n_decoder_moe, layout.stage, layout.virtual) if piped else 0  # identity slots included
     # MoE layer executions per device per step: a stage runs one chunk per tick (idle ticks compute too).
     moe_runs = round(per_chunk * ticks + (n_moe - n_decoder_moe) * n_micro) if piped else n_moe * n_micro
@@ -125,10 +129,21 @@ def step_traffic(cfg, layout: Layout, seq_len: int | None = None) -> list[Traffi
         # an all-reduce) and their cotangents back (a permute), and the input micro-batches' cotangent (stage 0's) is
         # summed over the stages (an all-reduce).
         slice_bytes = tokens * int(m.d_model) * act
-        out.append(Traffic("collective-permute", ("stage",), slice_bytes, 3 * ticks, "pipeline hand-off", act_t))
-        out.append(Traffic("collective-permute", ("stage",), slice_bytes * per_pass, 2 * n_passes,
-                           "last stage's outputs out and their cotangents back", act_t))
-        out.append(Traffic("all-reduce", ("stage",), slice_bytes * per_pass, 2 * n_passes,
+        if layout.one_f_one_b:
+            # 1F1B (parallel/one_f_one_b.py): per tick one forward and one backward hand-off; per group the last
+            # stage's finished micro-batches to the stages that run their heads and the heads' cotangents back
+            # (S - 1 each); the rest as the circular schedule's.
+            out.append(Traffic("collective-permute", ("stage",), slice_bytes, 2 * ticks, "pipeline hand-off", act_t))
+            out.append(Traffic("collective-permute", ("stage",), slice_bytes, 2 * (layout.stage - 1) * groups,
+                               "finished micro-batches to their heads and the cotangents back", act_t))
+        else:
+            out.append(Traffic("collective-permute", ("stage",), slice_bytes, 3 * ticks, "pipeline hand-off",
+                               act_t))
+        if not layout.one_f_one_b:  # 1F1B's outputs go to the heads per group (above)
+            out.append(Traffic("collective-permute", ("stage",), slice_bytes * per_pass, 2 * n_passes,
+                               "last stage's outputs out and their cotangents back", act_t))
+        out.append(Traffic("all-reduce", ("stage",), slice_bytes * per_pass, (1 if layout.one_f_one_b else 2) * n_passes,
+                           "stage 0's input cotangents to every stage" if layout.one_f_one_b else
                            "last stage's outputs to every stage, stage 0's input cotangents", act_t))
         # Outside the stages the rows are split over `stage` as well (parallel/mesh.batch_axes): they are gathered
         # where the pipeline starts, and the cotangents of the stages' outputs (the hidden state, each MTP module's)
@@ -137,9 +152,10 @@ def step_traffic(cfg, layout: Layout, seq_len: int | None = None) -> list[Traffi
                            "rows gathered over stage into the pipeline", act_t))
         # XLA splits the backward's gathers in two steps with more than two stages (1.5 x the bytes, measured at
         # S = 4 on compiled CPU steps).
-        out.append(Traffic("all-gather", ("stage",), slice_bytes * per_pass * (3 if layout.stage > 2 else 2) // 2,
-                           (1 + int(m.get("mtp_depth", 0))) * n_passes,
-                           "cotangents gathered over stage into the pipeline", act_t))
+        if not layout.one_f_one_b:  # 1F1B's heads run inside the schedule: their cotangents stay there
+            out.append(Traffic("all-gather", ("stage",), slice_bytes * per_pass * (3 if layout.stage > 2 else 2) // 2,
+                               (1 + int(m.get("mtp_depth", 0))) * n_passes,
+                               "cotangents gathered over stage into the pipeline", act_t))
 
     if layout.context > 1:
         # The whole sequence's latent (MLA) or K/V heads (GQA) per attention layer: the all-gather's output (its
@@ -181,6 +197,8 @@ def step_traffic(cfg, layout: Layout, seq_len: int | None = None) -> list[Traffi
         # A pipelined leaf is gathered, and its gradient summed, a chunk (1 / V of the stage's layers) per tick; any
         # other leaf once per pass (with stages: one pass over the whole local batch).
         passes, piece = (ticks, layout.virtual) if leaf.pipelined else (n_passes if piped else n_micro, 1)
+        if groups and not leaf.pipelined and "dense_layers" not in leaf.path:
+            passes = groups  # 1F1B: the heads' leaves (norm, LM head, MTP, embedding) are used once per group
         grad_sums = passes
         if f > 1:
             gathers = (2 if leaf.stacked else 1) * passes

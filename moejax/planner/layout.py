@@ -26,6 +26,11 @@ class Layout:
     virtual: int = 1  # virtual stages per stage (mesh.virtual_stages)
     in_flight: int = 0  # micro-batches per pipeline pass (mesh.pipeline_in_flight; 0: all of them)
     context: int = 1  # devices each sequence's positions are split over (mesh.context); not a batch axis
+    schedule: str = "circular"  # pipeline schedule (mesh.pipeline_schedule): circular | 1f1b
+
+    @property
+    def one_f_one_b(self) -> bool:
+        return self.stage > 1 and self.schedule == "1f1b"
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -51,6 +56,12 @@ class Layout:
             return 1
         return self.in_flight or self.n_micro(global_batch)
 
+    def scheduled_micro(self, global_batch: int) -> int:
+        """Micro-batches the pipeline schedule runs per pass: 1F1B pads a pass to a multiple of the stages (groups
+        of S; the padding's loss weight is zero), the circular schedule runs them as they are."""
+        per_pass = self.per_pass(global_batch)
+        return -(-per_pass // self.stage) * self.stage if self.one_f_one_b else per_pass
+
     def passes(self, global_batch: int) -> int:
         """Forward/backward passes per step (the gradient accumulates over them)."""
         return self.n_micro(global_batch) // self.per_pass(global_batch)
@@ -65,6 +76,8 @@ class Layout:
             axes += f" (vp{self.virtual})"
         if self.in_flight:
             axes += f" ({self.in_flight} in flight)"
+        if self.one_f_one_b:
+            axes += " (1f1b)"
         return f"{axes} | remat {self.remat} | mb {self.micro_batch} | {self.dispatch}"
 
     def to_dict(self) -> dict:
@@ -77,6 +90,7 @@ def config_layout(cfg, sizes: dict[str, int]) -> Layout:
     batch_shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
     return Layout(**sizes, remat=cfg.model.remat, dispatch=cfg.moe.dispatch, virtual=int(cfg.mesh.virtual_stages),
                   in_flight=int(cfg.mesh.get("pipeline_in_flight", 0)),
+                  schedule=str(cfg.mesh.get("pipeline_schedule", "circular")),
                   micro_batch=cfg.train.global_batch // (batch_shards * int(cfg.train.micro_batches)))
 
 

@@ -28,7 +28,9 @@ Pipeline stages (layout.stage > 1), as moejax/parallel/pipeline.py runs them: a 
 (params, optimizer state, gradients split over `stage`; an uneven split's identity slots are zeros of the same size)
 and every leaf outside the MoE stack whole; the schedule's scan keeps each tick's residuals until the backward, i.e.
 C = ceil(L / (S V)) layers' residuals for each of the
-M V + S - 1 ticks (all M micro-batches in flight at the end of the forward: GPipe's memory, not 1F1B's); the
+M V + S - 1 ticks (all M micro-batches in flight at the end of the forward: GPipe's memory); under 1F1B
+(mesh.pipeline_schedule=1f1b) for K = (2 V + 1) S - 1 chunk forwards, whatever M, plus the pass's input and its
+cotangent, and one micro-batch's loss at a time; the
 embedding, dense layers, MTP and loss run in one pass, on the stage's 1/S of the local rows (parallel/mesh.py's
 batch_axes; MTP's residuals are counted there too, though it runs on every stage's rows). `stage_copies`: the
 vmap over stages runs each stage's layer scan over [S, C, ...] weights, which XLA:CPU transposes to [C, S, ...]: a
@@ -45,6 +47,7 @@ import jax.numpy as jnp
 
 from moejax.config.layers import layer_plan
 from moejax.kernels import te_gemm
+from moejax.parallel.one_f_one_b import residual_slots
 from moejax.parallel.pipeline import chunk_slots, schedule_ticks
 from moejax.planner.activations import activation_terms
 from moejax.planner.layout import Layout, layout_config
@@ -126,7 +129,10 @@ def state_memory(cfg, layout: Layout, platform: str = "gpu") -> MemoryEstimate:
         params=sum(leaf.local_bytes(sizes) for leaf in params) + sum(leaf.local_bytes(sizes) for leaf in model_state),
         opt_state=sum(leaf.split_further(sizes, over).local_bytes(sizes) for leaf in opt),
         grads=grads,
-        grad_accumulator=grads if accumulating else 0,
+        grad_accumulator=(grads if accumulating else 0) + (
+            # 1F1B: the heads' gradients (final norm, LM head, MTP, embedding) summed per stage beside the step's
+            sum(leaf.local_bytes(sizes) for leaf in params if not leaf.pipelined and "dense_layers" not in leaf.path)
+            if layout.one_f_one_b else 0),
         activations=0,
         layer_transient=0,
         logits=0,
@@ -148,10 +154,20 @@ def estimate_memory(cfg, layout: Layout, seq_len: int | None = None, platform: s
         n_pipelined = layer_plan(cfg.model).n_moe
         outside = max(0, act.saved - n_pipelined * act.moe_layer)  # embedding, dense layers, MTP, loss
         per_chunk = chunk_slots(n_pipelined, layout.stage, layout.virtual)  # an uneven split's identity slots too
-        # The parts outside the stages hold 1/S of the rows each (parallel/mesh.batch_axes).
-        saved = (outside * n_micro // layout.stage
-                 + int(act.moe_layer * per_chunk * schedule_ticks(layout.stage, n_micro, layout.virtual)))
-        logits = logits * n_micro // layout.stage
+        if layout.one_f_one_b:
+            # 1F1B (parallel/one_f_one_b.py): a stage keeps K chunk forwards' residuals, K = (2 V + 1) S - 1; the
+            # head runs on one micro-batch per stage at a time; the pass's input and its cotangent are kept whole
+            # per stage ([M, rows, seq, d_model] each).
+            n_pad = layout.scheduled_micro(int(cfg.train.global_batch))
+            token_bytes = layout.micro_batch * layout.local_positions(seq) * int(cfg.model.d_model) * jnp.dtype(
+                cfg.model.dtype).itemsize
+            saved = (outside * n_micro // layout.stage + 2 * n_pad * token_bytes
+                     + int(act.moe_layer * per_chunk * residual_slots(layout.stage, layout.virtual)))
+        else:
+            # The parts outside the stages hold 1/S of the rows each (parallel/mesh.batch_axes).
+            saved = (outside * n_micro // layout.stage
+                     + int(act.moe_layer * per_chunk * schedule_ticks(layout.stage, n_micro, layout.virtual)))
+            logits = logits * n_micro // layout.stage
     # TE built as `make install-te` builds it (the V2 grouped GEMM: one stream's workspace); the dry run reports which
     workspace = te_gemm.WORKSPACE_BYTES["v2"] if cfg.kernels.get("expert_gemm") == "te" else 0
     return replace(state_memory(cfg, layout, platform), activations=saved, layer_transient=act.layer, logits=logits,

@@ -131,7 +131,7 @@ def predict(cfg, topo: Topology, layout: Layout, *, efficiency: float, domain_si
     memory = estimate_memory(cfg, layout, seq)
     traffic = step_traffic(cfg, layout, seq)
     wire = {"nvlink": 0.0, "nic": 0.0}
-    critical_s = overlap_s = exchange_s = context_gather_s = 0.0
+    critical_s = overlap_s = exchange_s = context_gather_s = handoff_s = 0.0
     for tr in traffic:
         w = wire_bytes(tr, layout.sizes, domain_size)
         for link in wire:
@@ -141,6 +141,8 @@ def predict(cfg, topo: Topology, layout: Layout, *, efficiency: float, domain_si
             exchange_s += seconds
         elif is_context_gather(tr):
             context_gather_s += seconds
+        elif layout.one_f_one_b and tr.kind == "collective-permute" and tuple(tr.axes) == ("stage",):
+            handoff_s += seconds
         elif set(tr.axes) <= set(CRITICAL):
             critical_s += seconds
         else:
@@ -161,6 +163,10 @@ def predict(cfg, topo: Topology, layout: Layout, *, efficiency: float, domain_si
     chunks = planned_exchange_chunks(cfg, layout, topo)
     # The expert FFNs' share of compute_s (recompute and stage stretch apply to them like the rest).
     exposed_exchange = exposed_exchange_s(exchange_s, routed_share * compute_s, shared_share * compute_s, chunks)
+    if layout.one_f_one_b:
+        exposed_exchange = exposed_1f1b_s(layout, layout.scheduled_micro(int(t.global_batch)),
+                                          exposed_exchange + handoff_s, exchange_s + handoff_s,
+                                          pipelined_macs_fraction(cfg, seq) * compute_s)
     exposed = critical_s + context_gather_s + exposed_exchange + max(0.0, overlap_s - compute_s)
     step_s = compute_s + exposed
     tokens_per_s = tokens_per_step / step_s / n
@@ -185,13 +191,24 @@ def stage_terms(cfg, layout: Layout, seq: int) -> tuple[float, float]:
     over the stages like the batch."""
     if layout.stage <= 1:
         return 0.0, 1.0
-    bubble = bubble_fraction(layout.stage, layout.per_pass(int(cfg.train.global_batch)), layout.virtual)
+    n_micro = layout.per_pass(int(cfg.train.global_batch))
+    scheduled = layout.scheduled_micro(int(cfg.train.global_batch))  # 1F1B: padded to groups of S
+    bubble = bubble_fraction(layout.stage, scheduled, layout.virtual)
     piped, mtp = pipelined_macs_fraction(cfg, seq), mtp_blocks_macs_fraction(cfg, seq)
     n_moe = layer_plan(cfg.model).n_moe
     padded = chunk_slots(n_moe, layout.stage, layout.virtual) * layout.stage * layout.virtual / n_moe  # identity slots
-    n_micro = layout.per_pass(int(cfg.train.global_batch))
     mtp_share = -(-n_micro // layout.stage) * layout.stage / n_micro  # padded rounds of MTP passes
-    return bubble, piped * padded * (1 + bubble) + mtp * mtp_share + (1 - piped - mtp)
+    return bubble, piped * padded * scheduled / n_micro * (1 + bubble) + mtp * mtp_share + (1 - piped - mtp)
+
+
+def exposed_1f1b_s(layout: Layout, n_micro: int, exposed_alone_s: float, hidden_s: float, cover_s: float) -> float:
+    """1F1B's exposed share of the expert exchange and the hand-offs (hidden_s, the step's total on the links):
+    in the steady state each tick runs one micro-batch's forward chunk and another's backward chunk, independent of
+    each other, so either's exchange and hand-off can run under the other's compute (cover_s: the pipelined layers'
+    compute of the step); the warm-up and cool-down (S / M of the forwards and of the backwards) run one kind only,
+    exposed as without stages (exposed_alone_s, for the whole step, scaled to their share)."""
+    steady = max(0.0, 1.0 - layout.stage / n_micro)
+    return (1 - steady) * exposed_alone_s + max(0.0, steady * (hidden_s - cover_s))
 
 
 def _divisors(n: int) -> list[int]:
@@ -267,8 +284,6 @@ def enumerate_layouts(cfg, n_gpus: int, domain_size: int, *, remats=REMAT_POLICI
                     trial.mesh.data, trial.mesh.fsdp, trial.mesh.expert, trial.mesh.tensor = data, fsdp, expert, tensor
                     trial.mesh.context = context
                     trial.mesh.stage, trial.mesh.virtual_stages = n_stages, virtual
-                    if n_stages > 1 and trial.moe.dispatch == "dropless":
-                        trial.moe.dispatch = "capacity"  # checked per dispatch below
                 per_device = cfg.train.global_batch // (data * fsdp * expert)  # sequences; context splits positions
                 for mb in (m for m in _divisors(per_device) if m & (m - 1) == 0 or m == per_device):
                     if context > 1 and mb > 1:
@@ -295,10 +310,11 @@ def enumerate_layouts(cfg, n_gpus: int, domain_size: int, *, remats=REMAT_POLICI
                                             n_stages * data * fsdp * expert * (n_micro // k)) == 0]
                     for remat in remats:
                         for dispatch in dispatches:
-                            if n_stages > 1 and dispatch == "dropless":
-                                continue  # not inside pipeline stages yet (config.validate refuses it)
                             out += [Layout(data, fsdp, expert, tensor, remat, mb, dispatch, n_stages, virtual, k,
                                            context) for k in in_flights]
+                            if n_stages > 1:  # 1F1B: the activations are bounded by the schedule, one pass
+                                out.append(Layout(data, fsdp, expert, tensor, remat, mb, dispatch, n_stages, virtual,
+                                                  0, context, "1f1b"))
     return out
 
 

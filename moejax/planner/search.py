@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from moejax.config import ConfigError, validate
+from moejax.config.schema import PIPELINE_SCHEDULES
 from moejax.errors import InputError
 from moejax.parallel.topology import Topology
 from moejax.planner.layout import Layout
@@ -55,6 +56,7 @@ def _candidate(cfg, topo: Topology, layout: Layout, ranked, efficiency: float, d
             trial.mesh[axis] = size
         trial.mesh.virtual_stages = layout.virtual
         trial.mesh.pipeline_in_flight = layout.in_flight
+        trial.mesh.pipeline_schedule = layout.schedule
         trial.moe.dispatch = layout.dispatch
         trial.train.micro_batches = layout.n_micro(int(cfg.train.global_batch))
     try:
@@ -66,20 +68,23 @@ def _candidate(cfg, topo: Topology, layout: Layout, ranked, efficiency: float, d
 
 
 def parse_layout(text: str) -> Layout:
-    """'stage=2,virtual=8,expert=32,data=4,cp=4,remat=full,mb=1,dispatch=capacity' -> Layout (unnamed axes 1, remat
-    full, mb 1, dispatch capacity); InputError on a bad field."""
+    """'stage=2,virtual=8,expert=32,data=4,cp=4,remat=full,mb=1,dispatch=capacity,schedule=1f1b' -> Layout (unnamed
+    axes 1, remat full, mb 1, dispatch capacity, schedule circular); InputError on a bad field."""
     fields = {"data": 1, "fsdp": 1, "context": 1, "expert": 1, "tensor": 1, "stage": 1, "virtual": 1, "remat": "full",
-              "micro_batch": 1, "dispatch": "capacity", "in_flight": 0}
+              "micro_batch": 1, "dispatch": "capacity", "in_flight": 0, "schedule": "circular"}
     for part in (p.strip() for p in text.split(",") if p.strip()):
         key, _, value = part.partition("=")
         key = {"mb": "micro_batch", "vp": "virtual", "pp": "stage", "ep": "expert", "tp": "tensor",
-               "cp": "context", "inflight": "in_flight"}.get(key, key)
+               "cp": "context", "inflight": "in_flight", "sched": "schedule"}.get(key, key)
         if key not in fields or not value:
             raise InputError(f"--layout {text!r}: {part!r} is not one of {', '.join(fields)}=value")
         try:
-            fields[key] = value if key in ("remat", "dispatch") else int(value)
+            fields[key] = value if key in ("remat", "dispatch", "schedule") else int(value)
         except ValueError:
             raise InputError(f"--layout {text!r}: {key} must be an integer, not {value!r}") from None
+    if fields["schedule"] not in PIPELINE_SCHEDULES:
+        raise InputError(f"--layout {text!r}: schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, not "
+                         f"{fields['schedule']!r}")
     return Layout(**fields)
 
 
