@@ -181,3 +181,26 @@ def test_exchange_slices_hide_the_expert_exchange_under_the_expert_gemms():
     assert one.step_s - two.step_s == pytest.approx(one.exposed_exchange_s - two.exposed_exchange_s)
     cfg.moe.exchange_chunks = 0  # auto: what a GPU run resolves at expert 32
     assert predict(cfg, topo, layout, efficiency=0.5, domain_size=64).exchange_chunks == GPU_EXCHANGE_CHUNKS
+
+
+def test_1f1b_activations_do_not_grow_with_the_micro_batches():
+    """The planner's 1F1B stage memory: the chunk residuals of (2 V + 1) S - 1 forwards whatever M (the circular
+    schedule's grow with M); the layout's name and --layout say the schedule."""
+    from moejax.planner.memory import estimate_memory
+    from moejax.planner.search import parse_layout
+    from tests.test_plan_vs_xla import medium_config
+
+    cfg = medium_config(1, 1, 2, 1)
+    # No dense layer: the parts before the stages run on the whole pass under both schedules (they grow with M)
+    cfg.model.n_layers, cfg.model.first_k_dense = 8, 0
+    acts = {}
+    for sched in ("circular", "1f1b"):
+        for batch in (32, 128):  # M = 8 and 32 micro-batches of one sequence per device
+            with cfg.unlocked():
+                cfg.train.global_batch = batch
+            layout = parse_layout(f"pp=2,vp=2,ep=2,remat=none,mb=1,schedule={sched}")
+            acts[sched, batch] = estimate_memory(cfg, layout).activations
+    assert acts["circular", 128] > 3 * acts["circular", 32]
+    assert acts["1f1b", 128] < 1.5 * acts["1f1b", 32]
+    assert acts["1f1b", 128] < acts["circular", 128] / 2
+    assert "(1f1b)" in parse_layout("pp=2,schedule=1f1b").name()

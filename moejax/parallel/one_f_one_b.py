@@ -125,11 +125,17 @@ def one_f_one_b(stage_fn: Callable, params_VxSxC, x_MxB, *, mesh, axis: str, n_r
         d_diff, dx = vjp((ct_y.astype(y_like.dtype), _cotangent(aux_like, ct_aux)))
         return d_diff, dx
 
-    one_chunk = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[2:], a.dtype), params_VxSxC)
-    one_x = jax.ShapeDtypeStruct(x_MxB.shape[1:], x_MxB.dtype)
-    one_side = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), side_MxB)
-    y_like, aux_like, res_like = jax.eval_shape(forward, one_chunk, one_x, one_side)
-    diff_like, _ = _inexact(one_chunk)
+    # The vjp's layout is taken from a trace under the stages' vmap, as the ticks run it: a shard_map's residual
+    # specs name every mesh axis but the vmap's spmd axis, so one traced outside the vmap would not batch.
+    def per_stage(shape, dtype):
+        return jax.ShapeDtypeStruct((n_stages, *shape), dtype)
+
+    chunk_S = jax.tree.map(lambda a: per_stage(a.shape[2:], a.dtype), params_VxSxC)
+    x_S = per_stage(x_MxB.shape[1:], x_MxB.dtype)
+    side_S = jax.tree.map(lambda a: per_stage(a.shape[1:], a.dtype), side_MxB)
+    y_like, aux_like, res_like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype),
+                                              jax.eval_shape(by_stage(forward), chunk_S, x_S, side_S))
+    diff_like, _ = _inexact(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[2:], a.dtype), params_VxSxC))
 
     def select(tree_VxSxC, r_S):
         """Each stage's chunk of repeat r (dim 1 split over the stage axis)."""

@@ -56,7 +56,7 @@ def dry_run(cfg, n_devices: int, target: str | None = None, *, keep_hlo: bool = 
     gpu = get_target(target) if target else None
     if gpu:
         topo = get_topology(gpu.topology)
-        domain = min(gpu.domain_size, n_devices)
+        domain = gpu.used_domain_size(n_devices)  # NVL72 at 256 GPUs: 64 of each rack's 72
         devices = compile_only_devices(gpu, n_devices)
         compiling = cross_compiling(devices[0])
     else:

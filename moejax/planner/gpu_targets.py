@@ -56,18 +56,29 @@ class GpuTarget:
             f'device_description_str: "{self.device_kind}"'
         )
 
-    def topology_string(self, n_devices: int) -> str:
-        """XLA's 'partitions x hosts per partition x devices per host' for n devices: an NVLink domain is a
-        partition (the compile-only devices' slice_index), so expert groups can be placed inside one."""
+    def hosts_used_per_domain(self, n_devices: int) -> int:
+        """Hosts of each NVLink domain a job of n devices uses: all of them when it fills whole domains, else the
+        most that split it evenly (NVL72 at 256 GPUs: 16 of each rack's 18 trays, 64 of its 72 GPUs, as the record
+        runs and launch/ and the planner lay out jobs)."""
         per_host = min(self.devices_per_host, n_devices)
         if n_devices % per_host:
             raise ConfigError(f"--dry_run_target {self.name}: {n_devices} devices do not fill hosts of {per_host}")
         hosts = n_devices // per_host
-        per_domain = min(self.hosts_per_domain, hosts)
-        if hosts % per_domain:
-            raise ConfigError(f"--dry_run_target {self.name}: {n_devices} devices do not fill NVLink domains of "
-                              f"{self.domain_size} (use a multiple of {self.domain_size})")
-        return f"{hosts // per_domain}x{per_domain}x{per_host}"
+        if hosts <= self.hosts_per_domain:
+            return hosts
+        return max(d for d in range(1, self.hosts_per_domain + 1) if hosts % d == 0)
+
+    def used_domain_size(self, n_devices: int) -> int:
+        """GPUs of each NVLink domain a job of n devices uses (hosts_used_per_domain x devices per host)."""
+        return self.hosts_used_per_domain(n_devices) * min(self.devices_per_host, n_devices)
+
+    def topology_string(self, n_devices: int) -> str:
+        """XLA's 'partitions x hosts per partition x devices per host' for n devices: an NVLink domain is a
+        partition (the compile-only devices' slice_index), so expert groups can be placed inside one. A job that
+        does not fill whole domains uses the same number of hosts of each (hosts_used_per_domain)."""
+        per_host = min(self.devices_per_host, n_devices)
+        per_domain = self.hosts_used_per_domain(n_devices)
+        return f"{n_devices // per_host // per_domain}x{per_domain}x{per_host}"
 
 
 GB = 10**9
