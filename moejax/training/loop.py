@@ -293,8 +293,8 @@ def _compile(cfg, graphdef, tx, mesh, shardings, state, example, *, with_eval: b
 def _banner(cfg, mesh, fpt: float, peak: float, peak_source: str, compile_s: float, start: int) -> str:
     counts = param_counts(cfg)
     n_moe, stages = layer_plan(cfg.model).n_moe, int(mesh.shape.get("stage", 1))
-    piped = (f" | {describe_split(n_moe, stages, int(cfg.mesh.virtual_stages), int(cfg.train.micro_batches))}"
-             if stages > 1 and n_moe else "")
+    piped = (f" | {describe_split(n_moe, stages, int(cfg.mesh.virtual_stages), int(cfg.train.micro_batches))}, "
+             f"{cfg.mesh.get('pipeline_schedule', 'circular')} schedule" if stages > 1 and n_moe else "")
     return (f"mesh {dict(mesh.shape)} over {jax.device_count()} devices | params {counts['total'] / 1e6:.2f}M "
             f"total, {counts['active'] / 1e6:.2f}M active | {fpt / 1e6:.3g} MFLOP/token | peak "
             f"{peak / 1e12:.3g} TFLOP/s/dev ({peak_source}){piped} | compiled in {compile_s:.1f}s"
