@@ -106,6 +106,12 @@ def head_ce(model, w_DxV, h_BxLxD, targets_BxL, mask_BxL):
     return masked_mean(nll_BxL, mask_BxL)
 
 
+def valid_targets_H(segments_BxL1, n_heads: int):
+    """[heads] count of the targets each head is trained on (main head, then MTP depths 1..D): the loss's own
+    masks (another document, past the row end)."""
+    return jnp.stack([jnp.sum(target_mask(segments_BxL1, k).astype(jnp.float32)) for k in range(n_heads)])
+
+
 def micro_batch_balance(stats_MxR: MoEStats, coef: float):
     """(the step's statistics, the weighted balance loss) of per-micro-batch statistics [M, rows, ...]: each
     micro-batch's batch-wise balance loss over its own rows (as gradient accumulation computes it), their mean."""

@@ -24,7 +24,8 @@ import numpy as np
 from flax import nnx
 
 from moejax.kernels import fp8
-from moejax.model.loss import LossParts, batch_balance_loss, head_ce, micro_batch_balance, target_mask
+from moejax.model.loss import (LossParts, batch_balance_loss, head_ce, micro_batch_balance, target_mask,
+                               valid_targets_H)
 from moejax.model.moe import MoEStats
 from moejax.model.transformer import ACT_BxLxD, _stack_stats, _tick_policy, shift_left
 from moejax.parallel.mesh import constrain, current_mesh, inside_stage
@@ -51,18 +52,17 @@ def pipelined_loss(model, tokens_BxL1, segment_ids_BxL1=None, *, weights):
             tokens_BxL1[:, :-1], None if segment_ids_BxL1 is None else segment_ids_BxL1[:, :-1])
     w_ce, w_mtp_D, w_aux = (jnp.asarray(w, jnp.float32) for w in weights)
     tokens_MxBxL1, segments_MxBxL1 = micro_batches(tokens_BxL1, n_micro), micro_batches(segments_BxL1, n_micro)
-    counts_MxH = jax.vmap(lambda seg: jnp.stack([jnp.sum(target_mask(seg, k).astype(jnp.float32))
-                                                 for k in range(1 + n_mtp)]))(segments_MxBxL1)
+    counts_MxH = jax.vmap(lambda seg: valid_targets_H(seg, 1 + n_mtp))(segments_MxBxL1)
     share_MxH = counts_MxH / jnp.maximum(jnp.sum(counts_MxH, axis=0), 1.0)
 
     coef = float(model.moe_layers.ffn.batch_aux_loss_coef)
-    is_layer = model.stack_layout
+    stack_layout = model.stack_layout
     n_rows = model.n_moe + (n_mtp if _mtp_has_moe(model) else 0)  # rows of the batch-wise balance loss
     head_graph, head_state = nnx.split((model.final_norm, model.mtp, model.embed))
 
     def layer_rows(aux_VxSxC):
         """A micro-batch's statistics of every chunk [V, S, C, ...] -> its layers' rows [L, ...] in layer order."""
-        return jax.tree.map(lambda a: is_layer.from_slots(a.reshape(-1, *a.shape[3:])), aux_VxSxC)
+        return jax.tree.map(lambda a: stack_layout.from_slots(a.reshape(-1, *a.shape[3:])), aux_VxSxC)
 
     def head_fn(params, y_BxLxD, side, aux_VxSxC):
         (final_norm, mtp, embed), w_DxV = nnx.merge(head_graph, params[0]), params[1]
@@ -145,11 +145,7 @@ def pipelined_loss(model, tokens_BxL1, segment_ids_BxL1=None, *, weights):
     mtp_ce_D = jnp.sum(share_MxH[:, 1:] * mtp_ce_MxD, axis=0) if n_mtp else jnp.zeros((0,), jnp.float32)
     stats, aux = None, jnp.float32(0)
     if aux_VxSxMxC is not None:
-        stats_MxL = jax.tree.map(lambda a: is_layer.from_slots(
-            jnp.moveaxis(a, 2, 0).reshape(n_micro, -1, *a.shape[4:]), axis=1), aux_VxSxMxC)
-        stats_MxR = stats_MxL if mtp_stats_MxD is None else jax.tree.map(
-            lambda a, b: jnp.concatenate([a, b], axis=1), stats_MxL, mtp_stats_MxD)
-        stats, aux = micro_batch_balance(stats_MxR, coef)
+        stats, aux = micro_batch_balance(model.micro_batch_stats(aux_VxSxMxC, mtp_stats_MxD), coef)
     # The schedule's objective holds the heads' terms; the layers' balance losses reach the gradient as their
     # statistics' cotangents, and the value here (lm_loss's weighted sum).
     total = w_ce * ce + jnp.sum(w_mtp_D * mtp_ce_D) + w_aux * aux

@@ -507,6 +507,14 @@ class Transformer(nnx.Module):
 
         return params_VxSxC, stage_fn
 
+    def micro_batch_stats(self, stats_VxSxMxC, mtp_stats_MxD=None):
+        """Per-micro-batch statistics [M, rows, ...] of the pipeline's chunks [V, S, M, C, ...]: the MoE layers in
+        layer order (an uneven split's identity slots left out), then the MTP modules' rows."""
+        stats_MxL = jax.tree.map(lambda a: self.stack_layout.from_slots(
+            jnp.moveaxis(a, 2, 0).reshape(a.shape[2], -1, *a.shape[4:]), axis=1), stats_VxSxMxC)
+        return stats_MxL if mtp_stats_MxD is None else jax.tree.map(
+            lambda a, b: jnp.concatenate([a, b], axis=1), stats_MxL, mtp_stats_MxD)
+
     def _stages_and_mtp(self, mesh, x_BxLxD, tokens_BxL, positions_BxL, segment_ids_BxL):
         """Inside the stages: the MoE stack's pipeline, then the MTP modules once per micro-batch on every stage
         alike (replicated over `stage`, as their MoE statistics are per pass: [M, rows, ...])."""
@@ -523,16 +531,11 @@ class Transformer(nnx.Module):
                                                      n_repeats=self.virtual_stages, side_MxB=side, aux_like=stats_like,
                                                      tick_policy=_tick_policy(self.remat) if self.virtual_stages > 1 else None)
         y_MxBxLxD = constrain(y_MxBxLxD, (None, *ACT_BxLxD))
-        # [V, S, M, C, ...] -> [M, slots, ...] -> [M, L, ...] in layer order (an uneven split's identity slots left out)
-        stats_MxL = jax.tree.map(lambda a: self.stack_layout.from_slots(
-            jnp.moveaxis(a, 2, 0).reshape(n_micro, -1, *a.shape[4:]), axis=1), stats_VxSxMxC)
-
         mtp_h_MxDx, mtp_stats_Mx = (None, None)
         if len(self.mtp):
             mtp_h_MxDx, mtp_stats_Mx = self._mtp_split_over_stages(
                 mesh, y_MxBxLxD, micro_batches(tokens_BxL, n_micro), side["positions"], side.get("segments"))
-        stats = stats_MxL if mtp_stats_Mx is None else jax.tree.map(
-            lambda a, b: jnp.concatenate([a, b], axis=1), stats_MxL, mtp_stats_Mx)
+        stats = self.micro_batch_stats(stats_VxSxMxC, mtp_stats_Mx)
         mtp_h_DxBxLxD = None if mtp_h_MxDx is None else jnp.stack(
             [merge_micro_batches(mtp_h_MxDx[:, k]) for k in range(mtp_h_MxDx.shape[1])])
         return y_MxBxLxD, mtp_h_DxBxLxD, stats

@@ -40,11 +40,9 @@ def residual_slots(n_stages: int, n_repeats: int) -> int:
     return (2 * n_repeats + 1) * n_stages - 1
 
 
-def schedule_ticks_1f1b(n_stages: int, n_micro: int, n_repeats: int) -> tuple[int, int, int]:
-    """(forward-only ticks, rounds of V S ticks with a forward and a backward each, backward-only ticks)."""
-    groups = -(-n_micro // n_stages)
-    edge = n_repeats * n_stages + n_stages - 1
-    return edge, groups - 1, edge
+def schedule_ticks_1f1b(n_stages: int, n_micro: int, n_repeats: int) -> tuple[int, int]:
+    """(forward-only ticks = backward-only ticks, rounds of V S ticks with a forward and a backward each)."""
+    return n_repeats * n_stages + n_stages - 1, -(-n_micro // n_stages) - 1
 
 
 def _inexact(tree):
@@ -252,7 +250,7 @@ def one_f_one_b(stage_fn: Callable, params_VxSxC, x_MxB, *, mesh, axis: str, n_r
                   split(jnp.zeros((n_stages,), jnp.float32)), zeros_S(metrics_like, n_groups),
                   jax.tree.map(lambda a: jnp.zeros((n_pad, *a.shape), a.dtype), shared_like))
 
-    edge, middle, _ = schedule_ticks_1f1b(n_stages, n_pad, n_repeats)
+    edge, middle = schedule_ticks_1f1b(n_stages, n_pad, n_repeats)
     ticks = functools.partial(jnp.arange, dtype=jnp.int32)
 
     # Warm-up: forwards only, through the last stage's round of group 0; then group 0's head.

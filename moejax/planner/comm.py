@@ -139,7 +139,6 @@ def step_traffic(cfg, layout: Layout, seq_len: int | None = None) -> list[Traffi
         else:
             out.append(Traffic("collective-permute", ("stage",), slice_bytes, 3 * ticks, "pipeline hand-off",
                                act_t))
-        if not layout.one_f_one_b:  # 1F1B's outputs go to the heads per group (above)
             out.append(Traffic("collective-permute", ("stage",), slice_bytes * per_pass, 2 * n_passes,
                                "last stage's outputs out and their cotangents back", act_t))
         out.append(Traffic("all-reduce", ("stage",), slice_bytes * per_pass, (1 if layout.one_f_one_b else 2) * n_passes,

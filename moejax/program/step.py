@@ -11,7 +11,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from moejax.config.layers import accumulation_passes
-from moejax.model.loss import lm_loss, target_mask
+from moejax.model.loss import lm_loss, valid_targets_H
 from moejax.model.moe import combine_micro_stats, exact_dispatch
 from moejax.model.pipelined_loss import pipelined_loss, uses_1f1b
 from moejax.parallel.mesh import batch_sharding
@@ -66,12 +66,6 @@ def _unpack(batch):
     return batch, None
 
 
-def _valid_targets_H(segments_BxL1, n_heads: int):
-    """[heads] count of the targets each head is trained on (main head, then MTP depths 1..D): the loss's own
-    masks (another document, past the row end)."""
-    return jnp.stack([jnp.sum(target_mask(segments_BxL1, k).astype(jnp.float32)) for k in range(n_heads)])
-
-
 def _accumulate(state, graphdef, tokens_BxL1, segments_BxL1, mtp_weight, mtp_depth: int, n: int):
     """Gradient accumulation over n micro-batches (lax.scan) that equals the full batch's gradient: each head's
     cross-entropy is a mean over the whole batch's valid targets, so micro-batch m's is weighted by its share
@@ -80,7 +74,7 @@ def _accumulate(state, graphdef, tokens_BxL1, segments_BxL1, mtp_weight, mtp_dep
     segments_BxL1 = jnp.zeros_like(tokens_BxL1) if segments_BxL1 is None else segments_BxL1
     tokens_NxBxL1, segments_NxBxL1 = micro_batches(tokens_BxL1, n), micro_batches(segments_BxL1, n)
     n_heads = 1 + mtp_depth
-    counts_NxH = jax.vmap(lambda seg: _valid_targets_H(seg, n_heads))(segments_NxBxL1)
+    counts_NxH = jax.vmap(lambda seg: valid_targets_H(seg, n_heads))(segments_NxBxL1)
     share_NxH = counts_NxH / jnp.maximum(jnp.sum(counts_NxH, axis=0), 1.0)
 
     def objective(params, model_state, tokens, segments, share_H):
