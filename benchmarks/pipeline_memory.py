@@ -6,7 +6,7 @@ circular schedule and 1F1B at a growing micro-batch count, each micro-batch the 
 The step: DeepSeek-style medium model (a dense layer, 8 MoE layers, MTP off; d_model 256, seq 128, remat
 `attention` by default, capacity dispatch) on PP2 x VP2 with expert 2 x tensor 2 inside each stage, 4 rows per micro-batch (global batch
 4 M). The circular schedule keeps every tick's residuals until the backward of its pass (they grow with M); 1F1B
-keeps (2 V + 1) S - 1 chunk forwards per stage at most (flat in M). The pass's input and its cotangent ([M, rows,
+keeps V S + 2 S - 2 chunk forwards per stage at most (flat in M). The pass's input and its cotangent ([M, rows,
 seq, d_model] each, one activation per token) grow with M under both.
 """
 

@@ -184,7 +184,7 @@ def test_exchange_slices_hide_the_expert_exchange_under_the_expert_gemms():
 
 
 def test_1f1b_activations_do_not_grow_with_the_micro_batches():
-    """The planner's 1F1B stage memory: the chunk residuals of (2 V + 1) S - 1 forwards whatever M (the circular
+    """The planner's 1F1B stage memory: the chunk residuals of V S + 2 S - 2 forwards whatever M (the circular
     schedule's grow with M); the layout's name and --layout say the schedule."""
     from moejax.planner.memory import estimate_memory
     from moejax.planner.search import parse_layout

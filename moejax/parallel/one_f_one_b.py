@@ -14,8 +14,8 @@ one's expert exchange and hand-off can run under the other's GEMMs); the ticks b
 only and those after the last forward backwards only, so the bubble is (S - 1) / (M V) of the step, paid once.
 
 Each forward keeps its chunk's residuals (a `jax.vjp` of the chunk under the layers' remat policy: their inputs and
-what the policy saves; never the weights, which the backward re-selects) in a ring of K = (2 V + 1) S - 1 slots
-until its backward: live activations are bounded by the stages and virtual stages, not by the micro-batches. The
+what the policy saves; never the weights, which the backward re-selects) in one of K slots (residual_slot_table:
+V S + 2 S - 2 in the steady state) until its backward: live activations are bounded by the stages and virtual stages, not by the micro-batches. The
 gradients are accumulated in the loop's carry. M not a multiple of S pads the last group with copies of the first
 micro-batches whose loss weight is zero.
 """
@@ -34,10 +34,35 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from moejax.parallel.pipeline import _index
 
 
-def residual_slots(n_stages: int, n_repeats: int) -> int:
-    """K: chunk forwards whose residuals one stage keeps at once (the longest forward-to-backward distance, stage 0's
-    first chunk: (2 V + 1) S - 2 ticks, plus one)."""
-    return (2 * n_repeats + 1) * n_stages - 1
+@functools.lru_cache(maxsize=256)
+def residual_slot_table(n_stages: int, n_micro: int, n_repeats: int) -> tuple[np.ndarray, int]:
+    """(slot_SxI: the ring slot each stage keeps forward item i's residuals in, K: the ring's slots).
+
+    A forward's residuals live from its tick to its backward's, and how long depends on the chunk (stage 0's first
+    chunk waits (2 V + 1) S - 2 ticks, its last about 2 S): a slot per item modulo the longest life would keep
+    (2 V + 1) S - 1 slots, about twice the forwards ever alive at once. The schedule is static, so the slots are
+    assigned here, once, by greedy interval colouring in start order (optimal for intervals: K is the most
+    forwards alive at one tick on any stage, V S + 2 S - 2 in the steady state). A backward reads its slot before
+    the same tick's forward writes (the loop body's order), so a slot is free again at its backward's tick."""
+    n_pad = -(-n_micro // n_stages) * n_stages
+    item_I = np.arange(n_pad * n_repeats)
+    g, rest = item_I // (n_repeats * n_stages), item_I % (n_repeats * n_stages)
+    r, j = rest // n_stages, rest % n_stages
+    back_item_I = (g * n_repeats + n_repeats - 1 - r) * n_stages + j  # the same micro-batch's backward in this chunk
+    t_back = n_repeats * n_stages + n_stages - 1
+    slot_SxI = np.zeros((n_stages, item_I.size), np.int32)
+    n_slots = 0
+    for s in range(n_stages):
+        free_from: list[int] = []  # per slot: the tick from which it is free
+        for i in item_I:  # starts (tick i + s) are in item order
+            k = next((k for k, tick in enumerate(free_from) if tick <= i + s), len(free_from))
+            if k == len(free_from):
+                free_from.append(0)
+            free_from[k] = t_back + back_item_I[i] + n_stages - 1 - s
+            slot_SxI[s, i] = k
+        n_slots = max(n_slots, len(free_from))
+    slot_SxI.setflags(write=False)
+    return slot_SxI, n_slots
 
 
 def schedule_ticks_1f1b(n_stages: int, n_micro: int, n_repeats: int) -> tuple[int, int]:
@@ -87,7 +112,8 @@ def one_f_one_b(stage_fn: Callable, params_VxSxC, x_MxB, *, mesh, axis: str, n_r
     n_pad = n_groups * n_stages
     n_items = n_pad * n_repeats
     round_ticks = n_repeats * n_stages
-    n_slots = residual_slots(n_stages, n_repeats)
+    slot_SxI, n_slots = residual_slot_table(n_stages, n_pad, n_repeats)
+    slot_SxI = jnp.asarray(slot_SxI)
     t_back = round_ticks + n_stages - 1  # T0: the last stage's first backward
     stage_S = jnp.arange(n_stages, dtype=jnp.int32)
     by_stage = functools.partial(jax.vmap, spmd_axis_name=axis)
@@ -167,7 +193,7 @@ def one_f_one_b(stage_fn: Callable, params_VxSxC, x_MxB, *, mesh, axis: str, n_r
         side_SxB = jax.tree.map(lambda a: split(a[m]), side_MxB)
         y_SxB, aux_S, res_S = by_stage(forward)(select(params_VxSxC, r), in_SxB, side_SxB)
         y_SxB = split(y_SxB)
-        slot = item % n_slots
+        slot = slot_SxI[stage_S, item]
         res_SxK = [split(by_stage(put)(buf, v, slot, busy)) for buf, v in zip(res_SxK, res_S)]
         aux_VxS = jax.tree.map(lambda buf, a: by_stage(
             lambda b, v, rr, mm, on: put(b, put(_index(b, rr), v, mm, on), rr, on), in_axes=(1, 0, 0, 0, 0),
@@ -182,7 +208,7 @@ def one_f_one_b(stage_fn: Callable, params_VxSxC, x_MxB, *, mesh, axis: str, n_r
         r = n_repeats - 1 - rb  # the chunk's repeat
         from_head = (stage_S == n_stages - 1) & (rb == 0)
         ct_SxB = split(by_stage(lambda d, jj, h, c: jnp.where(h, _index(d, jj), c))(dy_SxS, j, from_head, ct_SxB))
-        slot = (item + (r - rb) * n_stages) % n_slots  # the slot of the same micro-batch's forward in this chunk
+        slot = slot_SxI[stage_S, item + (r - rb) * n_stages]  # the same micro-batch's forward in this chunk
         res_S = [split(by_stage(_index)(buf, slot)) for buf in res_SxK]
         aux_S = jax.tree.map(lambda buf: by_stage(lambda b, rr, mm: _index(_index(b, rr), mm), in_axes=(1, 0, 0))(
             buf, r, m), aux_VxS)

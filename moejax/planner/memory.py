@@ -29,7 +29,7 @@ Pipeline stages (layout.stage > 1), as moejax/parallel/pipeline.py runs them: a 
 and every leaf outside the MoE stack whole; the schedule's scan keeps each tick's residuals until the backward, i.e.
 C = ceil(L / (S V)) layers' residuals for each of the
 M V + S - 1 ticks (all M micro-batches in flight at the end of the forward: GPipe's memory); under 1F1B
-(mesh.pipeline_schedule=1f1b) for K = (2 V + 1) S - 1 chunk forwards, whatever M, plus the pass's input and its
+(mesh.pipeline_schedule=1f1b) for K chunk forwards (V S + 2 S - 2 in the steady state), whatever M, plus the pass's input and its
 cotangent, and one micro-batch's loss at a time; the
 embedding, dense layers, MTP and loss run in one pass, on the stage's 1/S of the local rows (parallel/mesh.py's
 batch_axes; MTP's residuals are counted there too, though it runs on every stage's rows). `stage_copies`: the
@@ -47,7 +47,7 @@ import jax.numpy as jnp
 
 from moejax.config.layers import layer_plan
 from moejax.kernels import te_gemm
-from moejax.parallel.one_f_one_b import residual_slots
+from moejax.parallel.one_f_one_b import residual_slot_table
 from moejax.parallel.pipeline import chunk_slots, schedule_ticks
 from moejax.planner.activations import activation_terms
 from moejax.planner.layout import Layout, layout_config
@@ -155,14 +155,15 @@ def estimate_memory(cfg, layout: Layout, seq_len: int | None = None, platform: s
         outside = max(0, act.saved - n_pipelined * act.moe_layer)  # embedding, dense layers, MTP, loss
         per_chunk = chunk_slots(n_pipelined, layout.stage, layout.virtual)  # an uneven split's identity slots too
         if layout.one_f_one_b:
-            # 1F1B (parallel/one_f_one_b.py): a stage keeps K chunk forwards' residuals, K = (2 V + 1) S - 1; the
+            # 1F1B (parallel/one_f_one_b.py): a stage keeps K chunk forwards' residuals (residual_slot_table, the
+            # most alive at once: V S + 2 S - 2 in the steady state); the
             # head runs on one micro-batch per stage at a time; the pass's input and its cotangent are kept whole
             # per stage ([M, rows, seq, d_model] each).
             n_pad = layout.scheduled_micro(int(cfg.train.global_batch))
             token_bytes = layout.micro_batch * layout.local_positions(seq) * int(cfg.model.d_model) * jnp.dtype(
                 cfg.model.dtype).itemsize
             saved = (outside * n_micro // layout.stage + 2 * n_pad * token_bytes
-                     + int(act.moe_layer * per_chunk * residual_slots(layout.stage, layout.virtual)))
+                     + int(act.moe_layer * per_chunk * residual_slot_table(layout.stage, n_pad, layout.virtual)[1]))
         else:
             # The parts outside the stages hold 1/S of the rows each (parallel/mesh.batch_axes).
             saved = (outside * n_micro // layout.stage
