@@ -102,6 +102,25 @@ def test_sharded_chunked_equals_single_device_dense(devices):
     np.testing.assert_allclose(dw, dw_ref, rtol=1e-5, atol=1e-6)
 
 
+def test_sharded_chunked_sums_the_head_gradient_once_not_per_chunk(devices):
+    """Rows split over data x fsdp x expert, 4 chunks: the compiled backward sums w's gradient over the row devices
+    once (the per-device partial sums, row_parts), where a [D, V] carry is all-reduced in the loop, once per chunk."""
+    from moejax.parallel.hlo_collectives import collectives
+
+    b, seq, d, v, chunk = 8, 24, 16, 64, 6
+    mesh = make_mesh({"data": 2, "fsdp": 2, "expert": 2, "tensor": 1}, devices)
+    kernel = lambda h, w, t: jnp.mean(head_cross_entropy("chunked", h, w, t, chunk=chunk))  # noqa: E731
+    with jax.set_mesh(mesh):
+        args = [jax.ShapeDtypeStruct(shape, dtype, sharding=jax.NamedSharding(mesh, logical_to_spec(names)))
+                for shape, dtype, names in (((b, seq, d), jnp.float32, ("batch", None, None)),
+                                            ((d, v), jnp.float32, ("embed", "vocab")),
+                                            ((b, seq), jnp.int32, ("batch", None)))]
+        hlo = jax.jit(jax.grad(kernel, argnums=(0, 1))).lower(*args).compile().as_text()
+    sums = [c for c in collectives(hlo) if c.kind in ("all-reduce", "reduce-scatter")]
+    assert sum(c.count for c in sums) == 1, [(c.kind, c.bytes, c.count) for c in sums]
+    assert sums[0].bytes >= d * v * 4 // 2  # w's gradient (f32; reduce-scatter over fsdp: its whole input)
+
+
 def test_chunked_compiles_without_a_BxLxV_buffer():
     b, seq, d, v, chunk = 2, 512, 64, 32768, 64
     blv_f32 = b * seq * v * 4  # 128 MiB: one [B, L, V] f32 buffer

@@ -73,24 +73,25 @@ def _forward(h_BxLxD, w_DxV, targets_BxL, chunk, constrain_logits):
     return _unchunk(nll_NxBxC), _unchunk(lse_NxBxC)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _chunked(h_BxLxD, w_DxV, targets_BxL, chunk, constrain_logits):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _chunked(h_BxLxD, w_DxV, targets_BxL, chunk, constrain_logits, row_parts):
     return _forward(h_BxLxD, w_DxV, targets_BxL, chunk, constrain_logits)[0]
 
 
-def _chunked_fwd(h_BxLxD, w_DxV, targets_BxL, chunk, constrain_logits):
+def _chunked_fwd(h_BxLxD, w_DxV, targets_BxL, chunk, constrain_logits, row_parts):
     nll_BxL, lse_BxL = _forward(h_BxLxD, w_DxV, targets_BxL, chunk, constrain_logits)
     # The residuals: the inputs (already live: the caller keeps h and w anyway) and [B, L] f32 of log-sum-exp;
     # no logits, no log-softmax.
     return nll_BxL, (h_BxLxD, w_DxV, targets_BxL, lse_BxL)
 
 
-def _chunked_bwd(chunk, constrain_logits, residuals, d_nll_BxL):
+def _chunked_bwd(chunk, constrain_logits, row_parts, residuals, d_nll_BxL):
     h_BxLxD, w_DxV, targets_BxL, lse_BxL = residuals
     cdt = h_BxLxD.dtype
     w_c = w_DxV.astype(cdt)
+    n_parts, constrain_parts = row_parts if row_parts is not None else (1, None)
 
-    def step(d_w_DxV, xs):
+    def step(d_w_PxDxV, xs):
         h_BxCxD, t_BxC, lse_BxC, d_BxC = xs
         # Recompute this chunk's logits rather than keep them: one more head matmul per chunk buys the
         # [B, L, V] the forward would otherwise have to save.
@@ -100,23 +101,38 @@ def _chunked_bwd(chunk, constrain_logits, residuals, d_nll_BxL):
         # compute dtype (as autodiff of a bf16 head would), both accumulating in f32.
         g_BxCxV = (jnp.where(_target_mask(logits_BxCxV, t_BxC), p_BxCxV - 1.0, p_BxCxV) * d_BxC[..., None]).astype(cdt)
         d_h_BxCxD = jnp.einsum("bcv,dv->bcd", g_BxCxV, w_c, preferred_element_type=jnp.float32).astype(cdt)
-        d_w_DxV = d_w_DxV + jnp.einsum("bcd,bcv->dv", h_BxCxD, g_BxCxV, preferred_element_type=jnp.float32)
-        return d_w_DxV, d_h_BxCxD
+        # d_w per part of the rows (the parts the rows are split over devices in): each device adds its own rows'
+        # share and nothing is summed across devices inside the loop (a [D, V] carry would be, once per chunk).
+        by_part = lambda a: a.reshape(n_parts, a.shape[0] // n_parts, *a.shape[1:])  # noqa: E731
+        d_w_PxDxV = d_w_PxDxV + _constrained(constrain_parts, jnp.einsum(
+            "pbcd,pbcv->pdv", by_part(h_BxCxD), by_part(g_BxCxV), preferred_element_type=jnp.float32))
+        return d_w_PxDxV, d_h_BxCxD
 
     xs = (_chunks(h_BxLxD, chunk), _chunks(targets_BxL, chunk), _chunks(lse_BxL, chunk),
           _chunks(d_nll_BxL.astype(jnp.float32), chunk))
-    d_w_DxV, d_h_NxBxCxD = jax.lax.scan(step, jnp.zeros(w_DxV.shape, jnp.float32), xs)
+    d_w_PxDxV = _constrained(constrain_parts, jnp.zeros((n_parts, *w_DxV.shape), jnp.float32))
+    d_w_PxDxV, d_h_NxBxCxD = jax.lax.scan(step, d_w_PxDxV, xs)
     d_targets = int_cotangent(targets_BxL)
-    return _unchunk(d_h_NxBxCxD).astype(h_BxLxD.dtype), d_w_DxV.astype(w_DxV.dtype), d_targets
+    return _unchunk(d_h_NxBxCxD).astype(h_BxLxD.dtype), jnp.sum(d_w_PxDxV, axis=0).astype(w_DxV.dtype), d_targets
+
+
+def _constrained(constrain, a):
+    return a if constrain is None else constrain(a)
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
 
 
-def chunked_cross_entropy(h_BxLxD, w_DxV, targets_BxL, *, chunk: int, constrain_logits=None):
+def chunked_cross_entropy(h_BxLxD, w_DxV, targets_BxL, *, chunk: int, constrain_logits=None, row_parts=None):
     """dense_cross_entropy's values and gradients, `chunk` sequence positions of every row at a time (see the
     module docstring). L need not be a multiple of chunk: the sequence is padded up to one and the padded
-    positions' results are dropped (their cotangent is zero, so they add nothing to d_w)."""
+    positions' results are dropped (their cotangent is zero, so they add nothing to d_w).
+
+    row_parts: (P, constrain) where the rows are split over P devices: the backward keeps w's gradient as P
+    partial sums, [P, D, V] f32 with constrain putting part p on the devices of rows p B / P .. (p + 1) B / P, and
+    sums them once at the end instead of reducing a [D, V] carry across the devices after every chunk (GSPMD's
+    all-reduce per chunk; with it, the loss's gradient traffic over the row axes is one sum per call, at the cost
+    of one unsplit [D, V] f32 per device). None, P = 1 or P not dividing B: one [D, V] carry."""
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     seq = h_BxLxD.shape[1]
@@ -125,4 +141,6 @@ def chunked_cross_entropy(h_BxLxD, w_DxV, targets_BxL, *, chunk: int, constrain_
     if pad:
         h_BxLxD = jnp.pad(h_BxLxD, ((0, 0), (0, pad), (0, 0)))
         targets_BxL = jnp.pad(targets_BxL, ((0, 0), (0, pad)))
-    return _chunked(h_BxLxD, w_DxV, targets_BxL, chunk, constrain_logits)[:, :seq]
+    if row_parts is not None and (row_parts[0] <= 1 or h_BxLxD.shape[0] % row_parts[0] or seq + pad == chunk):
+        row_parts = None  # one chunk: the carry is summed once anyway
+    return _chunked(h_BxLxD, w_DxV, targets_BxL, chunk, constrain_logits, row_parts)[:, :seq]

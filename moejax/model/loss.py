@@ -23,7 +23,7 @@ from moejax.kernels.cross_entropy import chunked_cross_entropy, dense_cross_entr
 from moejax.model.moe import MoEStats, combine_micro_stats
 from moejax.model.transformer import shift_left
 from moejax.parallel.context import context_size, fold_context_into_rows, to_context_order
-from moejax.parallel.mesh import constrain
+from moejax.parallel.mesh import constrain, row_shards
 
 
 class LossParts(NamedTuple):
@@ -49,6 +49,15 @@ def _constrain_folded_logits(logits_RxLxV):
     return constrain(logits_RxLxV, ("token_rows", None, "vocab"))
 
 
+def _constrain_row_parts(d_w_PxDxV):
+    # The chunked loss's per-device partial head gradients: part p on the devices holding rows of part p.
+    return constrain(d_w_PxDxV, ("batch", None, "vocab"))
+
+
+def _constrain_folded_row_parts(d_w_PxDxV):
+    return constrain(d_w_PxDxV, ("token_rows", None, "vocab"))
+
+
 def head_cross_entropy(kernel: str, h_BxLxD, w_DxV, targets_BxL, *, chunk: int, folded: bool = False):
     """Per-position nll [B, L] (f32) of the LM head w over h, by the loss kernel `kernel` (dense | chunked).
     folded: h's rows are context shards' positions (fold_context_into_rows)."""
@@ -56,7 +65,11 @@ def head_cross_entropy(kernel: str, h_BxLxD, w_DxV, targets_BxL, *, chunk: int, 
     if kernel == "dense":
         return dense_cross_entropy(h_BxLxD, w_DxV, targets_BxL, constrain_logits=constrain_logits)
     if kernel == "chunked":
-        return chunked_cross_entropy(h_BxLxD, w_DxV, targets_BxL, chunk=chunk, constrain_logits=constrain_logits)
+        # The head's gradient as one partial sum per device the rows are split over, summed once per call
+        # (kernels/cross_entropy.chunked_cross_entropy's row_parts), not once per chunk.
+        parts = row_shards() * (context_size() if folded else 1)
+        return chunked_cross_entropy(h_BxLxD, w_DxV, targets_BxL, chunk=chunk, constrain_logits=constrain_logits,
+                                     row_parts=(parts, _constrain_folded_row_parts if folded else _constrain_row_parts))
     raise ValueError(f"unknown loss kernel {kernel!r} (kernels.loss: dense | chunked)")
 
 

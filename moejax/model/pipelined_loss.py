@@ -48,8 +48,12 @@ def pipelined_loss(model, tokens_BxL1, segment_ids_BxL1=None, *, weights):
     n_micro, n_mtp = model.micro_batches, len(model.mtp)
     segments_BxL1 = jnp.zeros_like(tokens_BxL1) if segment_ids_BxL1 is None else segment_ids_BxL1
     with fp8.gemms_in(model.fp8):
+        # The dense layers before the stages run on the whole pass, and their backward waits for the whole
+        # schedule: what they keep is kept for every micro-batch at once. Under any remat policy they keep only
+        # their inputs (`full`): a few layers' recompute for 1F1B's bound on live activations.
         x_BxLxD, positions_BxL, segments = model.pipeline_input(
-            tokens_BxL1[:, :-1], None if segment_ids_BxL1 is None else segment_ids_BxL1[:, :-1])
+            tokens_BxL1[:, :-1], None if segment_ids_BxL1 is None else segment_ids_BxL1[:, :-1],
+            remat="full" if model.remat != "none" else "none")
     w_ce, w_mtp_D, w_aux = (jnp.asarray(w, jnp.float32) for w in weights)
     tokens_MxBxL1, segments_MxBxL1 = micro_batches(tokens_BxL1, n_micro), micro_batches(segments_BxL1, n_micro)
     counts_MxH = jax.vmap(lambda seg: valid_targets_H(seg, 1 + n_mtp))(segments_MxBxL1)

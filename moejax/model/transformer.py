@@ -361,12 +361,14 @@ class Transformer(nnx.Module):
         x_BxLxD = constrain(self.embed(to_context_order(tokens_BxL, parts), self.dtype), ACT_BxLxD)
         return x_BxLxD, positions_BxL, segment_ids_BxL
 
-    def pipeline_input(self, tokens_BxL, segment_ids_BxL=None):
+    def pipeline_input(self, tokens_BxL, segment_ids_BxL=None, *, remat: str | None = None):
         """A pipelined model's parts before the stages: the embedding and the dense layers (they all come first:
-        check_pipeline_layers). (x [B, L, D], positions, segment ids as the layers see them.)"""
+        check_pipeline_layers). (x [B, L, D], positions, segment ids as the layers see them.) remat: the dense
+        layers' policy, default model.remat."""
         x_BxLxD, positions_BxL, segment_ids_BxL = self._embedded(tokens_BxL, segment_ids_BxL)
         if self.dense_layers is not None:
-            x_BxLxD, _ = _run_stack(self.dense_layers, x_BxLxD, positions_BxL, segment_ids_BxL, self.remat)
+            x_BxLxD, _ = _run_stack(self.dense_layers, x_BxLxD, positions_BxL, segment_ids_BxL,
+                                    self.remat if remat is None else remat)
         return x_BxLxD, positions_BxL, segment_ids_BxL
 
     def _hidden(self, tokens_BxL, segment_ids_BxL=None) -> HiddenOutput:

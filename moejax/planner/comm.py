@@ -25,8 +25,8 @@ The rules, per step (n_micro passes of forward + backward; layers' collectives r
                    stage's 1/S of the local rows (MTP: each stage every S-th micro-batch's pass), its gradients
                    summed once per step (over `stage` too); the rows are all-gathered over `stage` into the pipeline
                    and the stages' output cotangents in the backward
-  LM head          under the chunked loss its gradient is summed over the batch axes once per chunk of
-                   kernels.loss_chunk positions and per head (MTP heads share it), inside the loss's backward scan
+  LM head          under the chunked loss its gradient is summed over the batch axes once per head (MTP heads
+                   share it) and pass (1F1B: group), after the loss's backward scan (per-device partial sums inside)
   context          (layout.context > 1, parallel/context.py) every token count above is a device's seq_len / C
                    positions of its sequences; each attention layer all-gathers over `context` what its keys and
                    values are made from for the whole sequence (MLA: latent + shared RoPE key, GQA: K and V heads;
@@ -213,9 +213,9 @@ def step_traffic(cfg, layout: Layout, seq_len: int | None = None) -> list[Traffi
         replicas = _group([a for a in BATCH_AXES + ("context",) + (("stage",) if outside else ())
                            if not leaf.sharded_over(a)], sizes)
         if leaf.path == "['head_DxV']" and loss_chunks > 1:
-            # The chunked loss's backward scan adds each chunk's head gradient, and GSPMD sums it over the batch
-            # axes inside the scan: once per chunk and head (seen in compiled 671B steps), not once per pass.
-            grad_sums *= loss_chunks * n_heads
+            # The chunked loss keeps the head's gradient as per-device partial sums over its chunks and sums them
+            # once per head call (kernels/cross_entropy.py row_parts): once per head (MTP heads share it).
+            grad_sums *= n_heads
         if leaf.expert:
             # dispatch._weights_for_compute: the full (fsdp-gathered) gradient summed over data (and context), then
             # reduce-scattered over fsdp, in f32 (model.grad_reduce_dtype) or the compute dtype.

@@ -142,6 +142,19 @@ def state_memory(cfg, layout: Layout, platform: str = "gpu") -> MemoryEstimate:
     )
 
 
+def loss_partials_bytes(cfg, layout: Layout, seq: int) -> int:
+    """The chunked loss's per-device partial head gradients (kernels/cross_entropy.py row_parts): one [D, V / tensor]
+    f32 beside the chunk's logits, where the rows are split over devices and the loss takes more than one chunk."""
+    chunked = cfg.kernels.get("loss", "auto") in ("auto", "chunked")
+    positions = layout.local_positions(seq)
+    # the loss's rows: the batch axes', context folded into rows, and `stage` where the heads run outside the stages
+    rows_split = layout.data * layout.fsdp * layout.expert * layout.context * (
+        1 if layout.one_f_one_b else layout.stage) > 1
+    if not (chunked and rows_split and positions > int(cfg.kernels.get("loss_chunk", positions))):
+        return 0
+    return int(cfg.model.d_model) * -(-int(cfg.model.vocab_size) // layout.tensor) * 4
+
+
 def estimate_memory(cfg, layout: Layout, seq_len: int | None = None, platform: str = "gpu") -> MemoryEstimate:
     """Per-device memory of the layout; `platform` picks the routed-expert backend the trace follows (a dropless
     layer is a ragged grouped matmul on GPU, a padded einsum on CPU: what the dry run compiles)."""
@@ -159,16 +172,30 @@ def estimate_memory(cfg, layout: Layout, seq_len: int | None = None, platform: s
             # most alive at once: V S + 2 S - 2 in the steady state); the
             # head runs on one micro-batch per stage at a time; the pass's input and its cotangent are kept whole
             # per stage ([M, rows, seq, d_model] each).
+            # The dense layers before the stages keep only their inputs (model/pipelined_loss.py: `full` under any
+            # policy but none) for the whole pass; the heads' (MTP block, loss) residuals are one micro-batch's at a
+            # time, inside the schedule: counted with the loss's transient.
             n_pad = layout.scheduled_micro(int(cfg.train.global_batch))
             token_bytes = layout.micro_batch * layout.local_positions(seq) * int(cfg.model.d_model) * jnp.dtype(
                 cfg.model.dtype).itemsize
+            # A block's traced residuals (moe_layer) leave out its input, which the stack's scan saves (in `saved`):
+            # here it goes with its chunk.
+            outside_of = lambda a: max(0, a.saved - n_pipelined * (a.moe_layer + token_bytes))  # noqa: E731
+            outside = outside_of(act)
+            if layout.remat != "none":
+                outside = outside_of(activation_terms(
+                    cfg, layout.micro_batch, seq, "full", tensor=layout.tensor, expert=layout.expert,
+                    dispatch=layout.dispatch, platform=platform, context=layout.context))
+            chunk_bytes = (act.moe_layer + token_bytes) * per_chunk
             saved = (outside * n_micro // layout.stage + 2 * n_pad * token_bytes
-                     + int(act.moe_layer * per_chunk * residual_slot_table(layout.stage, n_pad, layout.virtual)[1]))
+                     + int(chunk_bytes * residual_slot_table(layout.stage, n_pad, layout.virtual)[1]))
+            logits += act.moe_layer * int(cfg.model.get("mtp_depth", 0))
         else:
             # The parts outside the stages hold 1/S of the rows each (parallel/mesh.batch_axes).
             saved = (outside * n_micro // layout.stage
                      + int(act.moe_layer * per_chunk * schedule_ticks(layout.stage, n_micro, layout.virtual)))
             logits = logits * n_micro // layout.stage
+    logits += loss_partials_bytes(cfg, layout, seq)
     # TE built as `make install-te` builds it (the V2 grouped GEMM: one stream's workspace); the dry run reports which
     workspace = te_gemm.WORKSPACE_BYTES["v2"] if cfg.kernels.get("expert_gemm") == "te" else 0
     return replace(state_memory(cfg, layout, platform), activations=saved, layer_transient=act.layer, logits=logits,
