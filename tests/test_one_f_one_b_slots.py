@@ -41,3 +41,31 @@ def test_slots_never_shared_by_live_forwards_and_as_few_as_alive(n_stages, n_mic
     assert n_slots == most_alive  # interval colouring is optimal: no slot more than needed
     if n_micro >= 3 * n_stages:  # a long enough steady state: V S + 2 S - 2 (docs/pipeline.md)
         assert n_slots == n_repeats * n_stages + 2 * n_stages - 2
+
+
+def test_ticks_leave_out_the_last_slot_only_where_no_stage_needs_it():
+    """skip_last_slot: a tick runs the last slot iff a stage busy at it works on a chunk whose last slot holds a
+    layer (checked item by item against the schedule); on DeepSeek-V3's split (58 MoE layers, PP2 x VP8: the last
+    3 repeats' chunks end in an identity slot) 5 of each round's 16 forward and backward ticks leave it out, and
+    an even split runs every slot."""
+    from moejax.parallel.one_f_one_b import executed_slots, skip_last_slot
+    from moejax.parallel.pipeline import slot_is_layer
+
+    n_stages, n_micro, n_repeats = 2, 32, 8
+    last_VxS = slot_is_layer(58, n_stages, n_repeats)[..., -1]
+    need_f, need_b = skip_last_slot(n_stages, n_micro, n_repeats, last_VxS)
+    t_back = n_repeats * n_stages + n_stages - 1
+    n_items = n_micro * n_repeats
+    for t in range(len(need_f)):
+        fwd = [(t - s, s) for s in range(n_stages) if 0 <= t - s < n_items]
+        bwd = [(t - t_back - (n_stages - 1 - s), s) for s in range(n_stages)
+               if 0 <= t - t_back - (n_stages - 1 - s) < n_items]
+        assert need_f[t] == any(last_VxS[(i % 16) // 2, s] for i, s in fwd)
+        assert need_b[t] == any(last_VxS[n_repeats - 1 - (i % 16) // 2, s] for i, s in bwd)
+    edge = t_back
+    assert need_f[edge:edge + 16].sum() == 11 and need_b[edge + 16:edge + 32].sum() == 11
+    forward, backward = executed_slots(n_stages, n_micro, n_repeats, 4, last_VxS)
+    ticks_each = n_micro * n_repeats + n_stages - 1  # ticks with a forward (with a backward)
+    assert forward < 4 * ticks_each and backward < 4 * ticks_each
+    assert forward >= n_micro * 29 and backward >= n_micro * 29  # every real layer of every micro-batch
+    assert executed_slots(n_stages, n_micro, n_repeats, 4, None) == (4 * ticks_each, 4 * ticks_each)

@@ -11,7 +11,8 @@ import pytest
 
 from moejax.model.accounting import mtp_blocks_macs_fraction, pipelined_macs_fraction
 from moejax.kernels.resolve import GPU_EXCHANGE_CHUNKS
-from moejax.parallel.pipeline import schedule_ticks
+from moejax.parallel.one_f_one_b import executed_slots
+from moejax.parallel.pipeline import schedule_ticks, slot_is_layer
 from moejax.parallel.topology import get_topology
 from moejax.planner.comm import step_traffic, wire_bytes
 from moejax.planner.layout import Layout, layout_config
@@ -109,6 +110,14 @@ def test_bubble_and_the_compute_every_stage_repeats_or_splits():
     # an uneven split computes its identity slots: 8 layers in 2 x 3 chunks of 2 slots is 12 / 8 of the MoE stack
     bubble, factor = stage_terms(cfg, Layout(1, 1, 2, 1, "full", 2, "capacity", 2, 3), 16)
     assert factor == pytest.approx(p * 12 / 8 * (1 + bubble) + (1 - p))
+    # ... under 1f1b only where a stage needs its last slot: the slots the schedule executes, a backward slot
+    # weighing 2 + 3 (recompute - 1) forward ones
+    one = Layout(1, 1, 2, 1, "full", 2, "capacity", 2, 3, schedule="1f1b")
+    n_micro = one.per_pass(int(cfg.train.global_batch))
+    fwd, bwd = executed_slots(2, n_micro, 3, 2, slot_is_layer(8, 2, 3)[..., -1])
+    _, factor_1f1b = stage_terms(cfg, one, 16, 1.3)
+    assert factor_1f1b == pytest.approx(p * (fwd + 2.9 * bwd) / (3.9 * n_micro * 8 / 2) + (1 - p))
+    assert factor_1f1b < factor
     # 6 micro-batches on 4 stages: 2 rounds of MTP passes, 8 for 6
     lay = Layout(1, 1, 2, 1, "full", 1, "capacity", 4, 1)
     cfg6 = staged_config()

@@ -30,7 +30,7 @@ from moejax.model.moe import MoEStats
 from moejax.model.transformer import ACT_BxLxD, _stack_stats, _tick_policy, shift_left
 from moejax.parallel.mesh import constrain, current_mesh, inside_stage
 from moejax.parallel.one_f_one_b import one_f_one_b
-from moejax.parallel.pipeline import micro_batches
+from moejax.parallel.pipeline import micro_batches, slot_is_layer
 
 
 def uses_1f1b(model) -> bool:
@@ -111,6 +111,9 @@ def pipelined_loss(model, tokens_BxL1, segment_ids_BxL1=None, *, weights):
     params_VxSxC, stage_fn = model.stage_chunks()
     head_params = (head_state, model.head_DxV[...])
     policy = _tick_policy(model.remat)
+    # An uneven split's chunks that end in an identity slot: ticks where every stage's does leave it out.
+    last_slot_VxS = slot_is_layer(model.n_moe, model.stages, model.virtual_stages)[..., -1]
+    last_slot_VxS = None if last_slot_VxS.all() else last_slot_VxS
 
     def schedule(params_VxSxC, head_params, x_MxBxLxD, rest):
         side_MxB, head_side_MxB = rest
@@ -118,7 +121,7 @@ def pipelined_loss(model, tokens_BxL1, segment_ids_BxL1=None, *, weights):
             return one_f_one_b(stage_fn, params_VxSxC, x_MxBxLxD, mesh=mesh, axis="stage",
                                n_repeats=model.virtual_stages, side_MxB=side_MxB, chunk_policy=policy,
                                head_fn=head_fn, head_params=head_params, head_side_MxB=head_side_MxB,
-                               aux_cotangent=aux_cotangent)
+                               aux_cotangent=aux_cotangent, last_slot_VxS=last_slot_VxS)
 
     @jax.custom_vjp
     def run(params_VxSxC, head_params, x_MxBxLxD, rest):

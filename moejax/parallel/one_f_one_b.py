@@ -70,6 +70,48 @@ def schedule_ticks_1f1b(n_stages: int, n_micro: int, n_repeats: int) -> tuple[in
     return n_repeats * n_stages + n_stages - 1, -(-n_micro // n_stages) - 1
 
 
+def skip_last_slot(n_stages: int, n_micro: int, n_repeats: int, last_slot_VxS=None) -> tuple[np.ndarray, np.ndarray]:
+    """(need_f [T], need_b [T]): whether tick t's forward / backward must run the chunks' last slot, i.e. whether any
+    stage busy at t works on a chunk whose last slot holds a layer (last_slot_VxS [V, S]; None: every chunk's does).
+    An uneven split's identity slots come last in the last chunks (parallel/pipeline.layer_slots), so at some
+    ticks every stage's chunk ends in one and the tick leaves it out instead of computing and discarding it."""
+    n_pad = -(-n_micro // n_stages) * n_stages
+    n_items, round_ticks = n_pad * n_repeats, n_repeats * n_stages
+    edge, middle = schedule_ticks_1f1b(n_stages, n_pad, n_repeats)
+    n_ticks = 2 * edge + middle * round_ticks
+    if last_slot_VxS is None:
+        return np.ones(n_ticks, bool), np.ones(n_ticks, bool)
+    last_VxS = np.asarray(last_slot_VxS, bool)
+    t_T, s_S = np.arange(n_ticks)[:, None], np.arange(n_stages)[None, :]
+
+    def need(item_TxS, reverse):
+        busy = (item_TxS >= 0) & (item_TxS < n_items)
+        r = (np.clip(item_TxS, 0, n_items - 1) % round_ticks) // n_stages
+        r = n_repeats - 1 - r if reverse else r
+        return np.any(busy & last_VxS[r, np.broadcast_to(s_S, r.shape)], axis=1)
+
+    t_back = round_ticks + n_stages - 1
+    return need(t_T - s_S, False), need(t_T - t_back - (n_stages - 1 - s_S), True)
+
+
+def executed_slots(n_stages: int, n_micro: int, n_repeats: int, n_chunk_slots: int,
+                   last_slot_VxS=None) -> tuple[int, int]:
+    """(forward, backward) layer-slot executions of one stage in a pass, as one_f_one_b runs them: C slots per tick
+    with a forward (backward), C - 1 at those that leave the last slot out (skip_last_slot; in the steady state the
+    rounds' union, as the program's runs are per round). The planner's stage compute."""
+    need_f_T, need_b_T = skip_last_slot(n_stages, n_micro, n_repeats, last_slot_VxS)
+    n_pad = -(-n_micro // n_stages) * n_stages
+    edge, middle = schedule_ticks_1f1b(n_stages, n_pad, n_repeats)
+    round_ticks = n_repeats * n_stages
+    steady = slice(edge, edge + middle * round_ticks)
+    if middle:  # the union over the rounds, as the program's per-round runs need it
+        for need_T in (need_f_T, need_b_T):
+            need_T[steady] = np.tile(need_T[steady].reshape(middle, round_ticks).any(axis=0), middle)
+    forward_ticks, backward_ticks = slice(0, edge + middle * round_ticks), slice(edge, None)
+    return (int(np.sum(n_chunk_slots - 1 + need_f_T[forward_ticks])),
+            int(np.sum(n_chunk_slots - 1 + need_b_T[backward_ticks])))
+
+
 def _inexact(tree):
     """(the leaves of `tree` that have a gradient, a function that puts new ones back in their places)."""
     leaves, treedef = jax.tree.flatten(tree)
@@ -94,7 +136,8 @@ def _cotangent(primal, ct):
 
 
 def one_f_one_b(stage_fn: Callable, params_VxSxC, x_MxB, *, mesh, axis: str, n_repeats: int, side_MxB,
-                chunk_policy, head_fn: Callable, head_params, head_side_MxB, aux_cotangent: Callable):
+                chunk_policy, head_fn: Callable, head_params, head_side_MxB, aux_cotangent: Callable,
+                last_slot_VxS=None):
     """The pipeline's forward and backward, and the head's, for one pass of M micro-batches.
 
     stage_fn(chunk, x_B, side_B) -> (y_B, aux): one chunk of layers (as parallel/pipeline.circular_pipeline's).
@@ -103,6 +146,9 @@ def one_f_one_b(stage_fn: Callable, params_VxSxC, x_MxB, *, mesh, axis: str, n_r
     chunk ([V, S, ...] leaves), `metrics` are kept per micro-batch and returned, `shared` is handed to
     aux_cotangent(chunk, aux_chunk, shared) -> the cotangent of a chunk's aux output (J's dependence on it).
     chunk_policy: the jax.checkpoint policy a forward's kept residuals follow (None: keep everything).
+    last_slot_VxS: [V, S] bool, whether each chunk's last slot holds a layer (an uneven split's chunks end in an
+    identity slot; every leaf of a chunk has the slots as its leading dim), or None: every chunk's does. With
+    identity last slots, ticks at which no stage needs its last slot skip it (skip_last_slot).
 
     Returns (J summed over the micro-batches, (d params_VxSxC, d head_params, d x_MxB), aux_VxSxMx..., metrics_Mx...).
     """
@@ -129,25 +175,64 @@ def one_f_one_b(stage_fn: Callable, params_VxSxC, x_MxB, *, mesh, axis: str, n_r
 
     chunk_fn = stage_fn if chunk_policy is None else jax.checkpoint(stage_fn, policy=chunk_policy, prevent_cse=False)
     vjp_layout = {}
+    n_chunk_slots = jax.tree.leaves(params_VxSxC)[0].shape[2]
+    skipping = last_slot_VxS is not None and not np.all(last_slot_VxS)
+    need_f_T, need_b_T = skip_last_slot(n_stages, n_pad, n_repeats, last_slot_VxS)
+    # With identity last slots a chunk runs as two pieces, its first C - 1 slots and its last, each its own vjp, so
+    # a tick can leave the last out (statically: the ticks are split into runs that need it or not).
+    pieces = ((slice(0, n_chunk_slots - 1), slice(n_chunk_slots - 1, n_chunk_slots)) if skipping
+              else (slice(0, n_chunk_slots),))
 
-    def forward(chunk, x_B, side_B):
-        """One chunk forward: (y, aux, the residuals its backward needs, the chunk's weights left out)."""
+    def piece(tree, k):
+        return jax.tree.map(lambda a: a[pieces[k]], tree)
+
+    def like_piece(tree, k):
+        n = len(range(n_chunk_slots)[pieces[k]])
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct((n, *a.shape[1:]), a.dtype), tree)
+
+    def forward(chunk, x_B, side_B, key=0):
+        """One piece's forward: (y, aux, the residuals its backward needs, the chunk's weights left out)."""
         diff, rebuild = _inexact(chunk)
         (y_B, aux), vjp = jax.vjp(lambda d, x: chunk_fn(rebuild(d), x, side_B), diff, x_B)
         leaves, treedef = jax.tree.flatten(vjp)
         # The weights are the chunk's own arrays among the vjp's residuals (the checkpoint saves its inputs as they
         # are): kept out of the per-item buffer, the backward puts the re-selected chunk back in their places.
         weight_at = [next((k for k, w in enumerate(diff) if w is leaf), -1) for leaf in leaves]
-        vjp_layout.setdefault("layout", (treedef, weight_at))
+        vjp_layout.setdefault(key, (treedef, weight_at))
         return y_B, aux, [leaf for leaf, k in zip(leaves, weight_at) if k < 0]
 
-    def backward(chunk, res, ct_y, ct_aux, y_like, aux_like):
+    def backward(chunk, res, ct_y, ct_aux, y_like, aux_like, key=0):
         diff, _ = _inexact(chunk)
-        treedef, weight_at = vjp_layout["layout"]
+        treedef, weight_at = vjp_layout[key]
         rest = iter(res)
         vjp = jax.tree.unflatten(treedef, [diff[k] if k >= 0 else next(rest) for k in weight_at])
         d_diff, dx = vjp((ct_y.astype(y_like.dtype), _cotangent(aux_like, ct_aux)))
         return d_diff, dx
+
+    def chunk_forward(chunk, x_B, side_B, last=True):
+        """A chunk's forward, piece by piece; last=False leaves the last piece out (an identity slot on every
+        stage at this tick): its aux zeros, its residuals None (their slots not written)."""
+        y_B, aux, res = forward(piece(chunk, 0), x_B, side_B, 0)
+        if not skipping:
+            return y_B, aux, res
+        if last:
+            y_B, aux_last, res_last = forward(piece(chunk, 1), y_B, side_B, 1)
+        else:
+            aux_last, res_last = jax.tree.map(lambda a: jnp.zeros_like(a[:1]), aux), None
+        return y_B, jax.tree.map(lambda a, b: jnp.concatenate([a, b]), aux, aux_last), (res, res_last)
+
+    def chunk_backward(chunk, res, ct_y, ct_aux, last=True):
+        if not skipping:
+            return backward(chunk, res, ct_y, ct_aux, y_like, aux_like)
+        res_first, res_last = res
+        if last:
+            d_last, ct_y = backward(piece(chunk, 1), res_last, ct_y, piece(ct_aux, 1), y_like, like_piece(aux_like, 1),
+                                    1)
+        else:
+            d_last = [jnp.zeros(a.shape, a.dtype) for a in _inexact(piece(chunk, 1))[0]]
+        d_first, dx = backward(piece(chunk, 0), res_first, ct_y, piece(ct_aux, 0), y_like, like_piece(aux_like, 0),
+                               0)
+        return [jnp.concatenate([a, b]) for a, b in zip(d_first, d_last)], dx
 
     # The vjp's layout is taken from a trace under the stages' vmap, as the ticks run it: a shard_map's residual
     # specs name every mesh axis but the vmap's spmd axis, so one traced outside the vmap would not batch.
@@ -158,7 +243,9 @@ def one_f_one_b(stage_fn: Callable, params_VxSxC, x_MxB, *, mesh, axis: str, n_r
     x_S = per_stage(x_MxB.shape[1:], x_MxB.dtype)
     side_S = jax.tree.map(lambda a: per_stage(a.shape[1:], a.dtype), side_MxB)
     y_like, aux_like, res_like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype),
-                                              jax.eval_shape(by_stage(forward), chunk_S, x_S, side_S))
+                                              jax.eval_shape(by_stage(chunk_forward), chunk_S, x_S, side_S))
+    n_first = len(res_like[0]) if skipping else len(res_like)
+    res_like = [*res_like[0], *res_like[1]] if skipping else res_like
     diff_like, _ = _inexact(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[2:], a.dtype), params_VxSxC))
 
     def select(tree_VxSxC, r_S):
@@ -185,16 +272,19 @@ def one_f_one_b(stage_fn: Callable, params_VxSxC, x_MxB, *, mesh, axis: str, n_r
     # ---- one tick's forward and backward
     x_SxM = split(jnp.broadcast_to(x_MxB[None], (n_stages, *x_MxB.shape)))  # read by stage 0 only
 
-    def forward_tick(carry, t):
+    def forward_tick(carry, t, last=True):
         state_SxB, res_SxK, aux_VxS, fin_SxS = carry
         busy, r, j, m, item = coords(t - stage_S)
         first = (stage_S == 0) & (r == 0)
         in_SxB = split(by_stage(lambda x_M, mm, f, s: jnp.where(f, _index(x_M, mm), s))(x_SxM, m, first, state_SxB))
         side_SxB = jax.tree.map(lambda a: split(a[m]), side_MxB)
-        y_SxB, aux_S, res_S = by_stage(forward)(select(params_VxSxC, r), in_SxB, side_SxB)
+        y_SxB, aux_S, res_S = by_stage(functools.partial(chunk_forward, last=last))(
+            select(params_VxSxC, r), in_SxB, side_SxB)
         y_SxB = split(y_SxB)
         slot = slot_SxI[stage_S, item]
-        res_SxK = [split(by_stage(put)(buf, v, slot, busy)) for buf, v in zip(res_SxK, res_S)]
+        if skipping:  # a skipped last piece leaves its slots as they were (a backward that runs it masks them out)
+            res_S = res_S[0] + (res_S[1] if last else [None] * (len(res_SxK) - n_first))
+        res_SxK = [buf if v is None else split(by_stage(put)(buf, v, slot, busy)) for buf, v in zip(res_SxK, res_S)]
         aux_VxS = jax.tree.map(lambda buf, a: by_stage(
             lambda b, v, rr, mm, on: put(b, put(_index(b, rr), v, mm, on), rr, on), in_axes=(1, 0, 0, 0, 0),
             out_axes=1)(buf, a, r, m, busy), aux_VxS, aux_S)
@@ -202,7 +292,7 @@ def one_f_one_b(stage_fn: Callable, params_VxSxC, x_MxB, *, mesh, axis: str, n_r
         fin_SxS = split(by_stage(put)(fin_SxS, y_SxB, j, done))
         return (split(jnp.roll(y_SxB, 1, axis=0)), res_SxK, aux_VxS, fin_SxS)
 
-    def backward_tick(carry, t, res_SxK, aux_VxS, shared_M):
+    def backward_tick(carry, t, res_SxK, aux_VxS, shared_M, last=True):
         ct_SxB, dy_SxS, grads_VxS, dx_SxM = carry
         busy, rb, j, m, item = coords(t - t_back - (n_stages - 1 - stage_S))
         r = n_repeats - 1 - rb  # the chunk's repeat
@@ -210,14 +300,14 @@ def one_f_one_b(stage_fn: Callable, params_VxSxC, x_MxB, *, mesh, axis: str, n_r
         ct_SxB = split(by_stage(lambda d, jj, h, c: jnp.where(h, _index(d, jj), c))(dy_SxS, j, from_head, ct_SxB))
         slot = slot_SxI[stage_S, item + (r - rb) * n_stages]  # the same micro-batch's forward in this chunk
         res_S = [split(by_stage(_index)(buf, slot)) for buf in res_SxK]
+        res_S = (res_S[:n_first], res_S[n_first:]) if skipping else res_S
         aux_S = jax.tree.map(lambda buf: by_stage(lambda b, rr, mm: _index(_index(b, rr), mm), in_axes=(1, 0, 0))(
             buf, r, m), aux_VxS)
         shared_S = jax.tree.map(lambda a: split(a[m]), shared_M)
         chunk_S = select(params_VxSxC, r)
         ct_aux_S = by_stage(lambda c, a, s, w: jax.tree.map(lambda x: x * w, aux_cotangent(c, a, s)))(
             chunk_S, aux_S, shared_S, real_M[m])
-        d_S, dx_SxB = by_stage(functools.partial(backward, y_like=y_like, aux_like=aux_like))(
-            chunk_S, res_S, ct_SxB, ct_aux_S)
+        d_S, dx_SxB = by_stage(functools.partial(chunk_backward, last=last))(chunk_S, res_S, ct_SxB, ct_aux_S)
         d_S = jax.tree.map(lambda d: jnp.where(busy.reshape(-1, *[1] * (d.ndim - 1)), d, 0), d_S)
         if n_repeats == 1:
             grads_VxS = [g.at[0].add(d) for g, d in zip(grads_VxS, d_S)]
@@ -279,21 +369,44 @@ def one_f_one_b(stage_fn: Callable, params_VxSxC, x_MxB, *, mesh, axis: str, n_r
     edge, middle = schedule_ticks_1f1b(n_stages, n_pad, n_repeats)
     ticks = functools.partial(jnp.arange, dtype=jnp.int32)
 
+    def runs(first_tick, flags_T):
+        """The ticks first_tick + k as (start, length, flags) runs of equal flags (each run one scan, its body
+        traced for its flags)."""
+        out, k = [], 0
+        while k < len(flags_T):
+            n = 1
+            while k + n < len(flags_T) and flags_T[k + n] == flags_T[k]:
+                n += 1
+            out.append((first_tick + k, n, flags_T[k]))
+            k += n
+        return out
+
+    def scan_ticks(body, carry, start, n):
+        return lax.scan(lambda c, t: (body(c, t), None), carry, start + ticks(n))[0]
+
     # Warm-up: forwards only, through the last stage's round of group 0; then group 0's head.
-    f_carry, _ = lax.scan(lambda c, t: (forward_tick(c, t), None), f_carry, ticks(edge))
+    for t0, n, need in runs(0, need_f_T[:edge]):
+        f_carry = scan_ticks(functools.partial(forward_tick, last=bool(need)), f_carry, t0, n)
     head_carry, dy_SxS = head(head_carry, 0, f_carry[3], f_carry[2])
     b_carry = (b_carry[0], dy_SxS, *b_carry[2:])
 
     # Steady state: round g (g = 1 .. G - 1) runs V S ticks of one forward and one backward each, then group g's head.
+    # Which ticks need the last piece repeats from round to round (the rounds' union, to be safe).
+    steady_T = edge + np.arange(middle * round_ticks)
+    need_GxKx2 = np.stack([need_f_T[steady_T], need_b_T[steady_T]], -1).reshape(middle, round_ticks, 2)
+    round_flags = [tuple(bool(x) for x in f) for f in need_GxKx2.any(axis=0)]
+
     def round_g(carry, g):
         f_carry, b_carry, head_carry = carry
 
-        def tick(c, t):
+        def tick(c, t, last_f, last_b):
             fc, bc = c
-            bc = backward_tick(bc, t, fc[1], fc[2], head_carry[3])
-            return (forward_tick(fc, t), bc), None
+            bc = backward_tick(bc, t, fc[1], fc[2], head_carry[3], last=last_b)
+            return (forward_tick(fc, t, last=last_f), bc)
 
-        (f_carry, b_carry), _ = lax.scan(tick, (f_carry, b_carry), edge + (g - 1) * round_ticks + ticks(round_ticks))
+        for k0, n, (last_f, last_b) in runs(0, round_flags):
+            f_carry, b_carry = scan_ticks(functools.partial(tick, last_f=last_f, last_b=last_b), (f_carry, b_carry),
+                                          edge + (g - 1) * round_ticks + k0, n)
         head_carry, dy_SxS = head(head_carry, g, f_carry[3], f_carry[2])
         return (f_carry, (b_carry[0], dy_SxS, *b_carry[2:]), head_carry), None
 
@@ -302,8 +415,9 @@ def one_f_one_b(stage_fn: Callable, params_VxSxC, x_MxB, *, mesh, axis: str, n_r
                                                      jnp.arange(1, n_groups, dtype=jnp.int32))
     # Cool-down: backwards only.
     start = edge + middle * round_ticks
-    b_carry, _ = lax.scan(lambda c, t: (backward_tick(c, t, f_carry[1], f_carry[2], head_carry[3]), None), b_carry,
-                          start + ticks(edge))
+    for t0, n, need in runs(start, need_b_T[start:start + edge]):
+        b_carry = scan_ticks(functools.partial(backward_tick, res_SxK=f_carry[1], aux_VxS=f_carry[2],
+                                               shared_M=head_carry[3], last=bool(need)), b_carry, t0, n)
 
     _, _, grads_VxS, dx_SxM = b_carry
     head_grads_S, objective_S, metrics_SxG, _ = head_carry

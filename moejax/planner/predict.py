@@ -30,7 +30,8 @@ from moejax.config.layers import layer_plan
 from moejax.kernels.resolve import GPU_EXCHANGE_CHUNKS, resolve_exchange_chunks
 from moejax.model.accounting import (expert_ffn_macs_fractions, flops_per_token, fp8_macs_fraction,
                                      mtp_blocks_macs_fraction, pipelined_macs_fraction)
-from moejax.parallel.pipeline import bubble_fraction, chunk_slots
+from moejax.parallel.one_f_one_b import executed_slots
+from moejax.parallel.pipeline import bubble_fraction, chunk_slots, slot_is_layer
 from moejax.parallel.topology import Topology
 from moejax.planner.comm import buffer_bytes_by_link, step_traffic, wire_bytes
 from moejax.planner.context import CONTEXT_MIN_LOCAL_POSITIONS, CONTEXT_MIN_SEQ_LEN, context_overhead_flops
@@ -152,7 +153,7 @@ def predict(cfg, topo: Topology, layout: Layout, *, efficiency: float, domain_si
     recompute = recompute_factor(cfg, layout.remat, dispatch=layout.dispatch, seq_len=seq)
     fp8_share = fp8_macs_fraction(cfg, seq)
     fp8_peak = fp8_gemm_peak(cfg.model.get("fp8", "none"), topo)
-    bubble, stage_compute = stage_terms(cfg, layout, seq)
+    bubble, stage_compute = stage_terms(cfg, layout, seq, recompute)
     compute_s = (model_flops * recompute * stage_compute
                  * ((1 - fp8_share) / topo.peak_bf16 + fp8_share / fp8_peak) / efficiency)
     # Context parallelism: MLA's K/V expansion of the other shards' positions (a projection: FP8 with model.fp8).
@@ -184,11 +185,13 @@ def planned_exchange_chunks(cfg, layout: Layout, topo: Topology) -> int:
                                    layout.expert, layout.dispatch)
 
 
-def stage_terms(cfg, layout: Layout, seq: int) -> tuple[float, float]:
+def stage_terms(cfg, layout: Layout, seq: int, recompute: float = 1.0) -> tuple[float, float]:
     """(bubble, device FLOPs over model FLOPs / n) of the layout's pipeline stages: the pipelined share stretched by
     the bubble and by an uneven split's identity slots (S V C / L), the MTP passes split over the stages by
     micro-batch (ceil(M / S) per stage), the rest (embedding, dense layers, heads, loss) split
-    over the stages like the batch."""
+    over the stages like the batch. 1F1B: the pipelined share is the slot executions the schedule runs
+    (one_f_one_b.executed_slots: it leaves identity last slots out where no stage needs them), a backward slot
+    weighing 2 + 3 (recompute - 1) forward ones (recompute: the policy's hardware over model FLOPs)."""
     if layout.stage <= 1:
         return 0.0, 1.0
     n_micro = layout.per_pass(int(cfg.train.global_batch))
@@ -198,7 +201,14 @@ def stage_terms(cfg, layout: Layout, seq: int) -> tuple[float, float]:
     n_moe = layer_plan(cfg.model).n_moe
     padded = chunk_slots(n_moe, layout.stage, layout.virtual) * layout.stage * layout.virtual / n_moe  # identity slots
     mtp_share = -(-n_micro // layout.stage) * layout.stage / n_micro  # padded rounds of MTP passes
-    return bubble, piped * padded * scheduled / n_micro * (1 + bubble) + mtp * mtp_share + (1 - piped - mtp)
+    stretch = padded * scheduled / n_micro * (1 + bubble)
+    if layout.one_f_one_b:
+        per_chunk = chunk_slots(n_moe, layout.stage, layout.virtual)
+        last = slot_is_layer(n_moe, layout.stage, layout.virtual)[..., -1]
+        fwd, bwd = executed_slots(layout.stage, n_micro, layout.virtual, per_chunk, None if last.all() else last)
+        backward = 2 + 3 * (recompute - 1)
+        stretch = (fwd + backward * bwd) / ((1 + backward) * n_micro * n_moe / layout.stage)
+    return bubble, piped * stretch + mtp * mtp_share + (1 - piped - mtp)
 
 
 def exposed_1f1b_s(layout: Layout, n_micro: int, exposed_alone_s: float, hidden_s: float, cover_s: float) -> float:
@@ -380,15 +390,19 @@ def assumptions(topo: Topology, efficiency: float, domain_size: int, cfg=None, *
         "update (the gradient: the fused update writes in place); no allocator fragmentation or NCCL buffers",
         "micro-batch below the per-device batch means gradient accumulation: run it with "
         "train.micro_batches = per-device batch / micro-batch (each pass re-gathers fsdp weights)",
-        "pipeline stages (stage > 1, circular schedule as moejax runs it): MoE-layer compute x S V C / L (an uneven "
+        "pipeline stages (stage > 1), circular schedule: MoE-layer compute x S V C / L (an uneven "
         "split's identity slots, C = ceil(L / (S V))) x (1 + bubble), bubble (S - 1) / (k V) for passes of k "
         "micro-batches (mesh.pipeline_in_flight; k = M by default), the gradient accumulated over M / k passes; "
         "embedding, dense "
         "layers, heads and loss split over the stages with the batch (the rows gathered over `stage` where the "
         "pipeline starts), MTP passes split over the stages by micro-batch; one micro-batch's "
         "activations per tick to the next stage and back (on the NICs when stages take whole NVLink domains), waited "
-        "on; every tick's residuals kept until the backward of its pass (a pass's k micro-batches: GPipe memory "
-        "per pass, not 1F1B's)",
+        "on; every tick's residuals kept until the backward of its pass (GPipe memory per pass). 1f1b schedule "
+        "(sched=1f1b): the layer slots the schedule executes (identity last slots left out where no stage needs "
+        "them), a backward slot weighing 2 + 3 (recompute - 1) forward ones; V S + 2 S - 2 chunk forwards' "
+        "residuals per stage; heads per group of S micro-batches inside the schedule; in the steady state the "
+        "expert exchange and the hand-offs under the other micro-batch's compute, the warm-up and cool-down's "
+        "S / M exposed as without stages",
         f"context parallelism (context C > 1; searched for sequences of {CONTEXT_MIN_SEQ_LEN} positions or more "
         f"down to {CONTEXT_MIN_LOCAL_POSITIONS} per device, or where the batch's rows run out; one sequence per "
         "micro-batch; layouts whose state and gradients alone exceed HBM left out): per-token work and activations "
@@ -399,10 +413,10 @@ def assumptions(topo: Topology, efficiency: float, domain_size: int, cfg=None, *
         "expansion's outputs), else rematerialised, plus one layer's K/V gradients; MLA's K/V expansion of the "
         "other shards' (C - 1) / C x L positions as extra FLOPs (not model FLOPs); parameters replicated over "
         "context, their gradients summed over it with the batch axes; planner/context.py",
-        "not modelled: 1F1B / zero-bubble schedules (moejax runs the circular one), "
+        "not modelled: zero-bubble schedules and DualPipe (moejax runs circular and 1f1b), "
         + ("FP8 GEMMs (model.fp8=none), " if cfg is None or cfg.model.get("fp8", "none") == "none" else
            "FP8 quantisation passes (amax, scale, cast: elementwise, memory-bound), ")
-        + "overlap of one micro-batch's exchange with another's compute (DualPipe, 1F1B A2A overlap), "
+        + "overlap of one micro-batch's exchange with another's compute outside 1f1b's steady state, "
         "load imbalance across experts (dropless overflow rounds of steps whose load exceeds "
         "the window), stragglers",
     ]
