@@ -195,11 +195,45 @@ def _bytes(residuals, d_model: int, expert: int, tensor: int, weights=None, *, s
     return -(-total // expert) + weight_bytes
 
 
+@functools.lru_cache(maxsize=256)
+def _block_config_key(cfg_json: str) -> str:
+    """The traced config's key for one block's trace: the block runs under the policy _block is given, so the
+    config's own model.remat is left out (one trace per block policy, not one per layout policy as well)."""
+    c = json.loads(cfg_json)
+    c["model"]["remat"] = "none"
+    return json.dumps(c, sort_keys=True)
+
+
+def _in_micro_batch(bytes_at, micro_batch: int) -> int:
+    """bytes_at(micro_batch), traced at 1 and 2 sequences and extended along the line through them beyond: every
+    residual is per token or per sequence (activations, dispatch buffers, attention scores: linear in the rows), so
+    two traces give any micro-batch (up to the capacity's rounding up) where each would cost a trace of its own
+    (the search's time is its traces)."""
+    if micro_batch <= 2:
+        return bytes_at(micro_batch)
+    one, two = bytes_at(1), bytes_at(2)
+    return one + (micro_batch - 1) * (two - one)
+
+
 def activation_terms(cfg, micro_batch: int, seq_len: int, remat: str, *, tensor: int = 1, expert: int = 1,
-                     dispatch: str | None = None, platform: str = "gpu", context: int = 1) -> ActivationBytes:
+                     dispatch: str | None = None, platform: str = "gpu", context: int = 1,
+                     cfg_json: str | None = None) -> ActivationBytes:
     """Bytes per device: saved residuals, one block's transient, and the loss's logits (module docstring).
     context > 1: each device holds seq_len / context positions of its micro_batch sequences; everything is traced
-    at those positions, and the whole sequence's K/V side that attention holds is added (planner/context.py)."""
+    at those positions, and the whole sequence's K/V side that attention holds is added (planner/context.py).
+    cfg_json: the config's to_json_best_effort(sort_keys=True), where the caller has it."""
+    # Once per config and arguments: a search asks for the same terms for every layout that differs only in the
+    # data, fsdp or stage sizes.
+    return _activation_terms(cfg_json or cfg.to_json_best_effort(sort_keys=True), micro_batch, seq_len, remat, tensor, expert,
+                             dispatch, platform, context)
+
+
+@functools.lru_cache(maxsize=1024)
+def _activation_terms(cfg_json: str, micro_batch: int, seq_len: int, remat: str, tensor: int, expert: int,
+                      dispatch: str | None, platform: str, context: int) -> ActivationBytes:
+    import ml_collections
+
+    cfg = ml_collections.ConfigDict(json.loads(cfg_json))
     c = trace_config(cfg, remat=remat, dispatch=dispatch, platform=platform)
     m = c.model
     key = c.to_json_best_effort(sort_keys=True)
@@ -214,12 +248,18 @@ def activation_terms(cfg, micro_batch: int, seq_len: int, remat: str, *, tensor:
     # The whole model is traced once per micro-batch and policy (ep 1); what expert parallelism changes is
     # inside the MoE blocks, whose residuals the scan saves per layer: add each block's change at ep (equal
     # to tracing the whole model on the ep mesh, tests/test_planner_memory.py; a fraction of the time).
-    saved = _bytes(_saved(key, micro_batch, seq_len, 1), d_model, 1, tensor, weights, scores=scores)
-    moe_layer = (_bytes(_block(key, True, micro_batch, seq_len, ep, remat), d_model, ep, tensor, scores=scores)
-                 if n_moe_blocks else 0)
+    saved = _in_micro_batch(lambda mb: _bytes(_saved(key, mb, seq_len, 1), d_model, 1, tensor, weights,
+                                              scores=scores), micro_batch)
+
+    block_key = _block_config_key(key)
+
+    def block_bytes(moe, e, policy):
+        return _in_micro_batch(lambda mb: _bytes(_block(block_key, moe, mb, seq_len, e, policy), d_model, e, tensor,
+                                                 scores=scores), micro_batch)
+
+    moe_layer = block_bytes(True, ep, remat) if n_moe_blocks else 0
     if ep > 1:
-        saved += n_moe_blocks * (moe_layer - _bytes(_block(key, True, micro_batch, seq_len, 1, remat), d_model, 1, tensor,
-                                                    scores=scores))
+        saved += n_moe_blocks * (moe_layer - block_bytes(True, 1, remat))
     # Context parallelism: every attention layer's whole-sequence K/V side (planner/context.py), per layer in the
     # scan's stacked residuals (and in a MoE block's, which pipeline stages place per tick).
     cp = context_activations(c, micro_batch, whole_seq, remat, context=context, tensor=tensor)
@@ -230,9 +270,8 @@ def activation_terms(cfg, micro_batch: int, seq_len: int, remat: str, *, tensor:
     if remat != "none":
         for moe in kinds:
             e = ep if moe else 1  # a dense block's per-device residuals do not depend on the expert axis
-            without = _bytes(_block(key, moe, micro_batch, seq_len, e, "none"), d_model, e, tensor, scores=scores)
-            kept = (_bytes(_block(key, moe, micro_batch, seq_len, e, remat), d_model, e, tensor, scores=scores)
-                    if remat != "full" else 0)
+            without = block_bytes(moe, e, "none")
+            kept = block_bytes(moe, e, remat) if remat != "full" else 0
             layer = max(layer, without - kept)
     heads = 1 + int(m.get("mtp_depth", 0))
     vocab = -(-int(m.vocab_size) // tensor)

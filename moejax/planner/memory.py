@@ -41,9 +41,12 @@ H200 compiles of PP2, PP2 x VP2 and PP4, benchmarks/RESULTS.md "Memory").
 
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import asdict, dataclass, replace
 
 import jax.numpy as jnp
+import ml_collections
 
 from moejax.config.layers import layer_plan
 from moejax.kernels import te_gemm
@@ -109,13 +112,23 @@ def _largest_layer_bytes(params, sizes, compute_itemsize) -> int:
     return int(max(stacks.values(), default=0))
 
 
-def state_memory(cfg, layout: Layout, platform: str = "gpu") -> MemoryEstimate:
+def state_memory(cfg, layout: Layout, platform: str = "gpu", cfg_json: str | None = None) -> MemoryEstimate:
     """The layout's memory without activations (nothing traced: the state's leaves at their sharded size), each
     activation term 0: a lower bound of estimate_memory's total."""
+    # Computed once per mesh shape and schedule (a search asks for it per layout: each walks every leaf): the remat
+    # policy, dispatch and micro-batch change it only through whether the gradient is accumulated.
+    accumulating = layout.passes(int(cfg.train.global_batch)) > 1
+    return _state_memory(cfg_json or cfg.to_json_best_effort(sort_keys=True),
+                         replace(layout, remat="full", dispatch="capacity", micro_batch=1, in_flight=0),
+                         accumulating, platform)
+
+
+@functools.lru_cache(maxsize=4096)
+def _state_memory(cfg_json: str, layout: Layout, accumulating: bool, platform: str) -> MemoryEstimate:
+    cfg = ml_collections.ConfigDict(json.loads(cfg_json))
     sizes = layout.sizes
     params, model_state, opt = state_leaves(layout_config(cfg, layout))
     over = optimizer_state_axes(cfg)
-    accumulating = layout.passes(int(cfg.train.global_batch)) > 1
     # A distributed optimizer's moments are split over data too, and so is the gradient of a weight GSPMD
     # partitions: it reduces each layer's gradient over data inside the loop to the slice the moments need
     # (reduce-scatter on XLA:GPU). The routed experts' gradient is summed over data explicitly inside the dispatch
@@ -155,12 +168,13 @@ def loss_partials_bytes(cfg, layout: Layout, seq: int) -> int:
     return int(cfg.model.d_model) * -(-int(cfg.model.vocab_size) // layout.tensor) * 4
 
 
-def estimate_memory(cfg, layout: Layout, seq_len: int | None = None, platform: str = "gpu") -> MemoryEstimate:
+def estimate_memory(cfg, layout: Layout, seq_len: int | None = None, platform: str = "gpu",
+                    cfg_json: str | None = None) -> MemoryEstimate:
     """Per-device memory of the layout; `platform` picks the routed-expert backend the trace follows (a dropless
     layer is a ragged grouped matmul on GPU, a padded einsum on CPU: what the dry run compiles)."""
     seq = int(cfg.train.seq_len if seq_len is None else seq_len)
     act = activation_terms(cfg, layout.micro_batch, seq, layout.remat, tensor=layout.tensor, expert=layout.expert,
-                           dispatch=layout.dispatch, platform=platform, context=layout.context)
+                           dispatch=layout.dispatch, platform=platform, context=layout.context, cfg_json=cfg_json)
     saved, logits = act.saved, act.logits
     if layout.stage > 1:
         n_micro = layout.per_pass(int(cfg.train.global_batch))  # one pass's micro-batches are in flight
@@ -185,7 +199,7 @@ def estimate_memory(cfg, layout: Layout, seq_len: int | None = None, platform: s
             if layout.remat != "none":
                 outside = outside_of(activation_terms(
                     cfg, layout.micro_batch, seq, "full", tensor=layout.tensor, expert=layout.expert,
-                    dispatch=layout.dispatch, platform=platform, context=layout.context))
+                    dispatch=layout.dispatch, platform=platform, context=layout.context, cfg_json=cfg_json))
             chunk_bytes = (act.moe_layer + token_bytes) * per_chunk
             saved = (outside * n_micro // layout.stage + 2 * n_pad * token_bytes
                      + int(chunk_bytes * residual_slot_table(layout.stage, n_pad, layout.virtual)[1]))
@@ -198,5 +212,5 @@ def estimate_memory(cfg, layout: Layout, seq_len: int | None = None, platform: s
     logits += loss_partials_bytes(cfg, layout, seq)
     # TE built as `make install-te` builds it (the V2 grouped GEMM: one stream's workspace); the dry run reports which
     workspace = te_gemm.WORKSPACE_BYTES["v2"] if cfg.kernels.get("expert_gemm") == "te" else 0
-    return replace(state_memory(cfg, layout, platform), activations=saved, layer_transient=act.layer, logits=logits,
+    return replace(state_memory(cfg, layout, platform, cfg_json), activations=saved, layer_transient=act.layer, logits=logits,
                    context_kv=act.context_kv, kernel_workspace=workspace)

@@ -129,7 +129,8 @@ def predict(cfg, topo: Topology, layout: Layout, *, efficiency: float, domain_si
     t = cfg.train
     seq = int(t.seq_len)
     n = layout.n_devices
-    memory = estimate_memory(cfg, layout, seq)
+    cfg_json = cfg.to_json_best_effort(sort_keys=True)  # the key of every per-config cache below
+    memory = estimate_memory(cfg, layout, seq, cfg_json=cfg_json)
     traffic = step_traffic(cfg, layout, seq)
     wire = {"nvlink": 0.0, "nic": 0.0}
     critical_s = overlap_s = exchange_s = context_gather_s = handoff_s = 0.0
@@ -150,7 +151,7 @@ def predict(cfg, topo: Topology, layout: Layout, *, efficiency: float, domain_si
             overlap_s += seconds
     tokens_per_step = t.global_batch * seq
     model_flops = flops_per_token(cfg, seq) * tokens_per_step / n
-    recompute = recompute_factor(cfg, layout.remat, dispatch=layout.dispatch, seq_len=seq)
+    recompute = recompute_factor(cfg, layout.remat, dispatch=layout.dispatch, seq_len=seq, cfg_json=cfg_json)
     fp8_share = fp8_macs_fraction(cfg, seq)
     fp8_peak = fp8_gemm_peak(cfg.model.get("fp8", "none"), topo)
     bubble, stage_compute = stage_terms(cfg, layout, seq, recompute)

@@ -131,10 +131,18 @@ def step_flops(cfg, remat: str, *, dispatch: str | None = None, platform: str = 
 
 
 def recompute_factor(cfg, remat: str, *, dispatch: str | None = None, platform: str = "gpu",
-                     seq_len: int | None = None) -> float:
+                     seq_len: int | None = None, cfg_json: str | None = None) -> float:
     """Hardware FLOPs / model FLOPs of the policy: the traced step's matmul FLOPs under `remat` over those
     without remat (1.0 for none)."""
     if remat == "none":
         return 1.0
+    return _recompute_factor(cfg_json or cfg.to_json_best_effort(sort_keys=True), remat, dispatch, platform, seq_len)
+
+
+@functools.lru_cache(maxsize=256)  # a search asks per layout; the answer depends on the policy and dispatch only
+def _recompute_factor(cfg_json: str, remat: str, dispatch, platform: str, seq_len) -> float:
+    import ml_collections
+
+    cfg = ml_collections.ConfigDict(json.loads(cfg_json))
     kw = dict(dispatch=dispatch, platform=platform, seq_len=seq_len)
     return step_flops(cfg, remat, **kw) / step_flops(cfg, "none", **kw)
