@@ -14,6 +14,7 @@ bytes in the XLA column. Both columns are also broken down by the element type m
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 
 import jax
@@ -94,6 +95,10 @@ def dry_run(cfg, n_devices: int, target: str | None = None, *, keep_hlo: bool = 
 
     mem = compiled.memory_analysis()
     xla_bytes = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
+    # Said now: reading the compiled program's collectives takes minutes (and memory) on a large mesh.
+    print(f"compiled in {compile_s:.1f} s; XLA memory per device {xla_bytes / 2**30:.1f} GiB (arguments "
+          f"{mem.argument_size_in_bytes / 2**30:.1f} + temp {mem.temp_size_in_bytes / 2**30:.1f} GiB); reading the "
+          "collectives", file=sys.stderr, flush=True)
     cost = compiled.cost_analysis() or {}  # XLA:GPU without a device: None
     cost = cost[0] if isinstance(cost, list) else cost
     hlo = compiled.as_text()
