@@ -15,8 +15,8 @@ only and those after the last forward backwards only, so the bubble is (S - 1) /
 
 Each forward keeps its chunk's residuals (a `jax.vjp` of the chunk under the layers' remat policy: their inputs and
 what the policy saves; never the weights, which the backward re-selects) in one of K slots (residual_slot_table:
-V S + 2 S - 2 in the steady state) until its backward: live activations are bounded by the stages and virtual stages, not by the micro-batches. The
-gradients are accumulated in the loop's carry. M not a multiple of S pads the last group with copies of the first
+V S + 2 S - 2 in the steady state) until its backward: live activations are bounded by the stages and virtual
+stages, not by the micro-batches. The gradients are accumulated in the loop's carry. M not a multiple of S pads the last group with copies of the first
 micro-batches whose loss weight is zero.
 """
 
@@ -94,22 +94,45 @@ def skip_last_slot(n_stages: int, n_micro: int, n_repeats: int, last_slot_VxS=No
     return need(t_T - s_S, False), need(t_T - t_back - (n_stages - 1 - s_S), True)
 
 
-def executed_slots(n_stages: int, n_micro: int, n_repeats: int, n_chunk_slots: int,
-                   last_slot_VxS=None) -> tuple[int, int]:
-    """(forward, backward) layer-slot executions of one stage in a pass, as one_f_one_b runs them: C slots per tick
-    with a forward (backward), C - 1 at those that leave the last slot out (skip_last_slot; in the steady state the
-    rounds' union, as the program's runs are per round). The planner's stage compute."""
+def tick_runs(n_stages: int, n_micro: int, n_repeats: int, last_slot_VxS=None):
+    """The schedule's three loops as runs of ticks with equal needs of the last slot (skip_last_slot), each run one
+    scan whose body is traced for its needs: (warm-up [(first tick, ticks, need_f)], one round of the steady state
+    [(first tick in the round, ticks, (need_f, need_b))] (the rounds' union: every round runs these), cool-down
+    [(first tick, ticks, need_b)])."""
     need_f_T, need_b_T = skip_last_slot(n_stages, n_micro, n_repeats, last_slot_VxS)
     n_pad = -(-n_micro // n_stages) * n_stages
     edge, middle = schedule_ticks_1f1b(n_stages, n_pad, n_repeats)
     round_ticks = n_repeats * n_stages
-    steady = slice(edge, edge + middle * round_ticks)
-    if middle:  # the union over the rounds, as the program's per-round runs need it
-        for need_T in (need_f_T, need_b_T):
-            need_T[steady] = np.tile(need_T[steady].reshape(middle, round_ticks).any(axis=0), middle)
-    forward_ticks, backward_ticks = slice(0, edge + middle * round_ticks), slice(edge, None)
-    return (int(np.sum(n_chunk_slots - 1 + need_f_T[forward_ticks])),
-            int(np.sum(n_chunk_slots - 1 + need_b_T[backward_ticks])))
+
+    def runs(first, flags):
+        out, k = [], 0
+        while k < len(flags):
+            n = 1
+            while k + n < len(flags) and flags[k + n] == flags[k]:
+                n += 1
+            out.append((first + k, n, flags[k]))
+            k += n
+        return out
+
+    steady_T = edge + np.arange(middle * round_ticks)
+    need_GxKx2 = np.stack([need_f_T[steady_T], need_b_T[steady_T]], -1).reshape(middle, round_ticks, 2)
+    round_flags = [(bool(f), bool(b)) for f, b in need_GxKx2.any(axis=0)]
+    cool = edge + middle * round_ticks
+    return (runs(0, [bool(x) for x in need_f_T[:edge]]), runs(0, round_flags),
+            runs(cool, [bool(x) for x in need_b_T[cool:cool + edge]]))
+
+
+def executed_slots(n_stages: int, n_micro: int, n_repeats: int, n_chunk_slots: int,
+                   last_slot_VxS=None) -> tuple[int, int]:
+    """(forward, backward) layer-slot executions of one stage in a pass, as one_f_one_b runs them (tick_runs): C
+    slots per tick with a forward (backward), C - 1 at those that leave the last slot out. The planner's stage
+    compute."""
+    warm_up, one_round, cool_down = tick_runs(n_stages, n_micro, n_repeats, last_slot_VxS)
+    rounds = schedule_ticks_1f1b(n_stages, -(-n_micro // n_stages) * n_stages, n_repeats)[1]
+    slots = lambda n, need: n * (n_chunk_slots - 1 + int(need))  # noqa: E731
+    forward = sum(slots(n, f) for _, n, f in warm_up) + rounds * sum(slots(n, f) for _, n, (f, _) in one_round)
+    backward = sum(slots(n, b) for _, n, b in cool_down) + rounds * sum(slots(n, b) for _, n, (_, b) in one_round)
+    return forward, backward
 
 
 def _inexact(tree):
@@ -177,7 +200,6 @@ def one_f_one_b(stage_fn: Callable, params_VxSxC, x_MxB, *, mesh, axis: str, n_r
     vjp_layout = {}
     n_chunk_slots = jax.tree.leaves(params_VxSxC)[0].shape[2]
     skipping = last_slot_VxS is not None and not np.all(last_slot_VxS)
-    need_f_T, need_b_T = skip_last_slot(n_stages, n_pad, n_repeats, last_slot_VxS)
     # With identity last slots a chunk runs as two pieces, its first C - 1 slots and its last, each its own vjp, so
     # a tick can leave the last out (statically: the ticks are split into runs that need it or not).
     pieces = ((slice(0, n_chunk_slots - 1), slice(n_chunk_slots - 1, n_chunk_slots)) if skipping
@@ -369,33 +391,19 @@ def one_f_one_b(stage_fn: Callable, params_VxSxC, x_MxB, *, mesh, axis: str, n_r
     edge, middle = schedule_ticks_1f1b(n_stages, n_pad, n_repeats)
     ticks = functools.partial(jnp.arange, dtype=jnp.int32)
 
-    def runs(first_tick, flags_T):
-        """The ticks first_tick + k as (start, length, flags) runs of equal flags (each run one scan, its body
-        traced for its flags)."""
-        out, k = [], 0
-        while k < len(flags_T):
-            n = 1
-            while k + n < len(flags_T) and flags_T[k + n] == flags_T[k]:
-                n += 1
-            out.append((first_tick + k, n, flags_T[k]))
-            k += n
-        return out
-
     def scan_ticks(body, carry, start, n):
         return lax.scan(lambda c, t: (body(c, t), None), carry, start + ticks(n))[0]
 
+    # Each loop in runs of ticks with equal needs of an uneven split's last slot (tick_runs), a scan each.
+    warm_up_runs, round_runs, cool_down_runs = tick_runs(n_stages, n_pad, n_repeats, last_slot_VxS)
+
     # Warm-up: forwards only, through the last stage's round of group 0; then group 0's head.
-    for t0, n, need in runs(0, need_f_T[:edge]):
+    for t0, n, need in warm_up_runs:
         f_carry = scan_ticks(functools.partial(forward_tick, last=bool(need)), f_carry, t0, n)
     head_carry, dy_SxS = head(head_carry, 0, f_carry[3], f_carry[2])
     b_carry = (b_carry[0], dy_SxS, *b_carry[2:])
 
     # Steady state: round g (g = 1 .. G - 1) runs V S ticks of one forward and one backward each, then group g's head.
-    # Which ticks need the last piece repeats from round to round (the rounds' union, to be safe).
-    steady_T = edge + np.arange(middle * round_ticks)
-    need_GxKx2 = np.stack([need_f_T[steady_T], need_b_T[steady_T]], -1).reshape(middle, round_ticks, 2)
-    round_flags = [tuple(bool(x) for x in f) for f in need_GxKx2.any(axis=0)]
-
     def round_g(carry, g):
         f_carry, b_carry, head_carry = carry
 
@@ -404,7 +412,7 @@ def one_f_one_b(stage_fn: Callable, params_VxSxC, x_MxB, *, mesh, axis: str, n_r
             bc = backward_tick(bc, t, fc[1], fc[2], head_carry[3], last=last_b)
             return (forward_tick(fc, t, last=last_f), bc)
 
-        for k0, n, (last_f, last_b) in runs(0, round_flags):
+        for k0, n, (last_f, last_b) in round_runs:
             f_carry, b_carry = scan_ticks(functools.partial(tick, last_f=last_f, last_b=last_b), (f_carry, b_carry),
                                           edge + (g - 1) * round_ticks + k0, n)
         head_carry, dy_SxS = head(head_carry, g, f_carry[3], f_carry[2])
@@ -414,8 +422,7 @@ def one_f_one_b(stage_fn: Callable, params_VxSxC, x_MxB, *, mesh, axis: str, n_r
         (f_carry, b_carry, head_carry), _ = lax.scan(round_g, (f_carry, b_carry, head_carry),
                                                      jnp.arange(1, n_groups, dtype=jnp.int32))
     # Cool-down: backwards only.
-    start = edge + middle * round_ticks
-    for t0, n, need in runs(start, need_b_T[start:start + edge]):
+    for t0, n, need in cool_down_runs:
         b_carry = scan_ticks(functools.partial(backward_tick, res_SxK=f_carry[1], aux_VxS=f_carry[2],
                                                shared_M=head_carry[3], last=bool(need)), b_carry, t0, n)
 
