@@ -135,8 +135,10 @@ def _state_memory(cfg_json: str, layout: Layout, accumulating: bool, platform: s
     # shard_map (parallel/dispatch._weights_bwd): XLA:GPU keeps it whole over data, XLA:CPU slices it after the sum
     # (compiled steps at data 2 and 8, benchmarks/RESULTS.md "Memory"; with accumulation XLA:GPU varies: ibid.).
     whole_over_data = platform != "cpu"
-    grads = sum((leaf if leaf.expert and whole_over_data else leaf.split_further(sizes, over)).local_bytes(sizes)
-                for leaf in params)
+    # 1F1B accumulates the stage's gradient in its loop carry, whole over data (summed once, after the schedule):
+    # measured on the 256-GB300 compile of the record's layout (benchmarks/RESULTS.md).
+    grads = sum((leaf if (leaf.expert and whole_over_data) or (layout.one_f_one_b and leaf.pipelined)
+                 else leaf.split_further(sizes, over)).local_bytes(sizes) for leaf in params)
     compute_itemsize = jnp.dtype(cfg.model.dtype).itemsize
     return MemoryEstimate(
         params=sum(leaf.local_bytes(sizes) for leaf in params) + sum(leaf.local_bytes(sizes) for leaf in model_state),
