@@ -204,13 +204,16 @@ def _block_config_key(cfg_json: str) -> str:
     return json.dumps(c, sort_keys=True)
 
 
-def _in_micro_batch(bytes_at, micro_batch: int) -> int:
-    """bytes_at(micro_batch), traced at 1 and 2 sequences and extended along the line through them beyond: every
-    residual is per token or per sequence (activations, dispatch buffers, attention scores: linear in the rows), so
-    two traces give any micro-batch (up to the capacity's rounding up) where each would cost a trace of its own
-    (the search's time is its traces)."""
-    if micro_batch <= 2:
+def _in_micro_batch(bytes_at, micro_batch: int, *, proportional: bool = False) -> int:
+    """bytes_at(micro_batch) from the traces at 1 (and 2) sequences, where each further micro-batch would cost a
+    trace of its own (the search's time is its traces). proportional: a GPU block's residuals are all per token or
+    per sequence (activations, ragged dispatch buffers, attention scores: 2 sequences hold 2 x 1's bytes within 1e-4
+    on DeepSeek-V3 671B's blocks, every policy, 2026-12-07). Otherwise (the whole model, the CPU tile loop's per-expert
+    padding) there are per-step terms: extended along the line through 1 and 2 sequences."""
+    if micro_batch <= (1 if proportional else 2):
         return bytes_at(micro_batch)
+    if proportional:
+        return micro_batch * bytes_at(1)
     one, two = bytes_at(1), bytes_at(2)
     return one + (micro_batch - 1) * (two - one)
 
@@ -255,7 +258,7 @@ def _activation_terms(cfg_json: str, micro_batch: int, seq_len: int, remat: str,
 
     def block_bytes(moe, e, policy):
         return _in_micro_batch(lambda mb: _bytes(_block(block_key, moe, mb, seq_len, e, policy), d_model, e, tensor,
-                                                 scores=scores), micro_batch)
+                                                 scores=scores), micro_batch, proportional=platform == "gpu")
 
     moe_layer = block_bytes(True, ep, remat) if n_moe_blocks else 0
     if ep > 1:
