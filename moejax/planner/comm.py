@@ -50,7 +50,7 @@ from moejax.parallel.dispatch import capacity_per_expert
 from moejax.parallel.mesh import BATCH_AXES
 from moejax.parallel.pipeline import chunk_slots, schedule_ticks
 from moejax.planner.context import attention_runs, gather_recomputed, gathered_values_per_token
-from moejax.planner.layout import Layout, in_domain_factors, layout_config
+from moejax.planner.layout import Layout, in_domain_factors, layout_config, loss_chunks
 from moejax.planner.state_shapes import state_leaves
 from moejax.program.state import optimizer_state_axes
 
@@ -116,10 +116,8 @@ def step_traffic(cfg, layout: Layout, seq_len: int | None = None) -> list[Traffi
     # MoE layer executions per device per step: a stage runs one chunk per tick (idle ticks compute too).
     moe_runs = round(per_chunk * ticks + (n_moe - n_decoder_moe) * n_micro) if piped else n_moe * n_micro
     out: list[Traffic] = []
-    # kernels.loss auto resolves to the chunked loss on every platform (kernels/resolve.py)
-    chunked = cfg.kernels.get("loss", "auto") in ("auto", "chunked")
     # the loss scans a device's own positions (context parallelism folds them into rows of their own)
-    loss_chunks = -(-local_seq // min(int(cfg.kernels.get("loss_chunk", local_seq)), local_seq)) if chunked else 1
+    n_loss_chunks = loss_chunks(cfg, local_seq)
     n_heads = 1 + int(m.get("mtp_depth", 0))
 
     if piped:
@@ -212,7 +210,7 @@ def step_traffic(cfg, layout: Layout, seq_len: int | None = None) -> list[Traffi
         outside = piped and not leaf.pipelined
         replicas = _group([a for a in BATCH_AXES + ("context",) + (("stage",) if outside else ())
                            if not leaf.sharded_over(a)], sizes)
-        if leaf.path == "['head_DxV']" and loss_chunks > 1:
+        if leaf.path == "['head_DxV']" and n_loss_chunks > 1:
             # The chunked loss keeps the head's gradient as per-device partial sums over its chunks and sums them
             # once per head call (kernels/cross_entropy.py row_parts): once per head (MTP heads share it).
             grad_sums *= n_heads

@@ -133,3 +133,11 @@ def layout_config(cfg, layout: Layout):
     with c.unlocked():
         c.mesh.stage, c.mesh.virtual_stages = want
     return c
+
+
+def loss_chunks(cfg, positions: int) -> int:
+    """Chunks the loss's backward scans over a device's `positions` (kernels.loss auto resolves to the chunked loss
+    on every platform, kernels/resolve.py); 1 for the dense loss."""
+    if cfg.kernels.get("loss", "auto") not in ("auto", "chunked"):
+        return 1
+    return -(-positions // min(int(cfg.kernels.get("loss_chunk", positions)), positions))

@@ -53,7 +53,7 @@ from moejax.kernels import te_gemm
 from moejax.parallel.one_f_one_b import residual_slot_table
 from moejax.parallel.pipeline import chunk_slots, schedule_ticks
 from moejax.planner.activations import activation_terms
-from moejax.planner.layout import Layout, layout_config
+from moejax.planner.layout import Layout, layout_config, loss_chunks
 from moejax.planner.state_shapes import state_leaves
 from moejax.program.state import optimizer_state_axes
 
@@ -160,12 +160,10 @@ def _state_memory(cfg_json: str, layout: Layout, accumulating: bool, platform: s
 def loss_partials_bytes(cfg, layout: Layout, seq: int) -> int:
     """The chunked loss's per-device partial head gradients (kernels/cross_entropy.py row_parts): one [D, V / tensor]
     f32 beside the chunk's logits, where the rows are split over devices and the loss takes more than one chunk."""
-    chunked = cfg.kernels.get("loss", "auto") in ("auto", "chunked")
-    positions = layout.local_positions(seq)
     # the loss's rows: the batch axes', context folded into rows, and `stage` where the heads run outside the stages
     rows_split = layout.data * layout.fsdp * layout.expert * layout.context * (
         1 if layout.one_f_one_b else layout.stage) > 1
-    if not (chunked and rows_split and positions > int(cfg.kernels.get("loss_chunk", positions))):
+    if not (rows_split and loss_chunks(cfg, layout.local_positions(seq)) > 1):
         return 0
     return int(cfg.model.d_model) * -(-int(cfg.model.vocab_size) // layout.tensor) * 4
 
@@ -197,11 +195,9 @@ def estimate_memory(cfg, layout: Layout, seq_len: int | None = None, platform: s
             # A block's traced residuals (moe_layer) leave out its input, which the stack's scan saves (in `saved`):
             # here it goes with its chunk.
             outside_of = lambda a: max(0, a.saved - n_pipelined * (a.moe_layer + token_bytes))  # noqa: E731
-            outside = outside_of(act)
-            if layout.remat != "none":
-                outside = outside_of(activation_terms(
-                    cfg, layout.micro_batch, seq, "full", tensor=layout.tensor, expert=layout.expert,
-                    dispatch=layout.dispatch, platform=platform, context=layout.context, cfg_json=cfg_json))
+            outside = outside_of(act if layout.remat == "none" else activation_terms(
+                cfg, layout.micro_batch, seq, "full", tensor=layout.tensor, expert=layout.expert,
+                dispatch=layout.dispatch, platform=platform, context=layout.context, cfg_json=cfg_json))
             chunk_bytes = (act.moe_layer + token_bytes) * per_chunk
             saved = (outside * n_micro // layout.stage + 2 * n_pad * token_bytes
                      + int(chunk_bytes * residual_slot_table(layout.stage, n_pad, layout.virtual)[1]))
