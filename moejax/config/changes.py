@@ -64,6 +64,9 @@ MAY_CHANGE: dict[str, tuple[frozenset[Continuation], str]] = {
     "moe.bias_update_rate": (_BOTH, "the aux-loss-free bias's update rate, not the bias"),
 }
 
+# Checked on RESUME only: fields outside the checked groups that decide the saved state's structure.
+STATE_STRUCTURE = ("optim.master_weights",)  # the optimizer state holds the f32 masters or not
+
 # Checked on RESUME only: the rows each step reads.
 DATA_ORDER = ("seed", "train.global_batch", "train.seq_len", "data.corpus", "data.max_bytes",
               "data.eval_every_nth_file", "data.eval_every_nth_doc")
@@ -81,7 +84,7 @@ def flatten(config: dict, prefix: str = "") -> dict:
 
 
 def may_change(field: str, how: Continuation) -> bool:
-    if field in DATA_ORDER:
+    if field in DATA_ORDER or field in STATE_STRUCTURE:
         return how is not Continuation.RESUME
     if field.split(".")[0] not in CHECKED_GROUPS:
         return True

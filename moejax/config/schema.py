@@ -180,6 +180,11 @@ def default_config() -> ml_collections.ConfigDict:
     # rank updating its slice and the new parameters all-gathered over data (costs one all-gather of the
     # parameters per step; no effect where mesh.data is 1)
     o.state_sharding = "data"
+    # With model.param_dtype='bfloat16': the optimizer keeps f32 master copies of the weights (split like the Adam
+    # moments), the model stores bf16 ones (their rounding) and the gradient is formed in f32. Megatron's layout of
+    # memory: 2 bytes a weight on every replica + 4 bytes in the optimizer's slice, where f32 weights take 4 on every
+    # replica. Fixed for a run's checkpoints (the optimizer state holds the masters).
+    o.master_weights = False
 
     c.checkpoint = ck = ml_collections.ConfigDict()
     ck.every_steps = 0  # 0: only at the end of the run (and on SIGTERM/SIGINT)

@@ -76,6 +76,9 @@ def validate(cfg, n_devices: int) -> dict[str, int]:
         check_choice(f"model.{name}", m[name], DTYPES)
     check_choice("model.remat", m.remat, REMAT_POLICIES)
     check_choice("optim.state_sharding", cfg.optim.get("state_sharding", "params"), OPTIMIZER_STATE_SHARDINGS)
+    if cfg.optim.get("master_weights", False) and m.param_dtype == "float32":
+        raise ConfigError("optim.master_weights keeps f32 copies of narrower weights, but model.param_dtype is "
+                          "'float32': set model.param_dtype='bfloat16' with it, or leave master_weights off")
     check_choice("checkpoint.on_bad_checkpoint", cfg.checkpoint.get("on_bad_checkpoint", "fall_back"),
                  ON_BAD_CHECKPOINT)
     ck = cfg.checkpoint

@@ -115,13 +115,21 @@ def pipelined_loss(model, tokens_BxL1, segment_ids_BxL1=None, *, weights):
     last_slot_VxS = slot_is_layer(model.n_moe, model.stages, model.virtual_stages)[..., -1]
     last_slot_VxS = None if last_slot_VxS.all() else last_slot_VxS
 
+    # optim.master_weights: the step differentiates the stored weights' f32 values; the schedule holds the stored
+    # ones and forms the gradient in f32 (one_f_one_b's weights_dtype).
+    stored = jnp.dtype(model.param_dtype)
+    wide = any(jnp.dtype(a.dtype).itemsize > stored.itemsize for a in jax.tree.leaves(params_VxSxC)
+               if jnp.issubdtype(a.dtype, jnp.floating))
+    weights_dtype = stored if wide else None
+
     def schedule(params_VxSxC, head_params, x_MxBxLxD, rest):
         side_MxB, head_side_MxB = rest
         with inside_stage(), fp8.gemms_in(model.fp8):
             return one_f_one_b(stage_fn, params_VxSxC, x_MxBxLxD, mesh=mesh, axis="stage",
                                n_repeats=model.virtual_stages, side_MxB=side_MxB, chunk_policy=policy,
                                head_fn=head_fn, head_params=head_params, head_side_MxB=head_side_MxB,
-                               aux_cotangent=aux_cotangent, last_slot_VxS=last_slot_VxS)
+                               aux_cotangent=aux_cotangent, last_slot_VxS=last_slot_VxS,
+                               weights_dtype=weights_dtype)
 
     @jax.custom_vjp
     def run(params_VxSxC, head_params, x_MxBxLxD, rest):

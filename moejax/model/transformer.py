@@ -280,6 +280,7 @@ class Transformer(nnx.Module):
         pdt = dtype_of(m.param_dtype)
         self.cache_shape = (m.attention, cached_attention.cache_widths(m))  # per position, per layer (empty_cache)
         self.dtype = dtype_of(m.dtype)
+        self.param_dtype = pdt  # stored weights (optim.master_weights differentiates their f32 values)
         self.f32_grad = grads_in_f32(m)
         self.fp8 = m.get("fp8", "none")  # model.fp8: the body's projections and expert GEMMs (kernels/fp8.py)
         self.remat = m.remat

@@ -149,6 +149,10 @@ def _inexact(tree):
     return [leaves[i] for i in where], rebuild
 
 
+def _cast_floating(tree, dtype):
+    return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+
+
 def _cotangent(primal, ct):
     """The cotangent a vjp takes for `primal`: `ct` where primal is inexact, float0 zeros where it is an integer."""
     def one(p, c):
@@ -160,7 +164,7 @@ def _cotangent(primal, ct):
 
 def one_f_one_b(stage_fn: Callable, params_VxSxC, x_MxB, *, mesh, axis: str, n_repeats: int, side_MxB,
                 chunk_policy, head_fn: Callable, head_params, head_side_MxB, aux_cotangent: Callable,
-                last_slot_VxS=None):
+                last_slot_VxS=None, weights_dtype=None):
     """The pipeline's forward and backward, and the head's, for one pass of M micro-batches.
 
     stage_fn(chunk, x_B, side_B) -> (y_B, aux): one chunk of layers (as parallel/pipeline.circular_pipeline's).
@@ -172,6 +176,10 @@ def one_f_one_b(stage_fn: Callable, params_VxSxC, x_MxB, *, mesh, axis: str, n_r
     last_slot_VxS: [V, S] bool, whether each chunk's last slot holds a layer (an uneven split's chunks end in an
     identity slot; every leaf of a chunk has the slots as its leading dim), or None: every chunk's does. With
     identity last slots, ticks at which no stage needs its last slot skip it (skip_last_slot).
+    weights_dtype: the dtype the weights are stored in when the caller differentiates their f32 values
+    (optim.master_weights), or None. The schedule then holds params and head_params in it (the cast folds into the
+    caller's upcast: no f32 copy of the stage's weights) and takes each chunk's and head's vjp at f32, so the
+    gradients are f32, accumulated in f32, without ever being rounded to the stored dtype.
 
     Returns (J summed over the micro-batches, (d params_VxSxC, d head_params, d x_MxB), aux_VxSxMx..., metrics_Mx...).
     """
@@ -191,6 +199,11 @@ def one_f_one_b(stage_fn: Callable, params_VxSxC, x_MxB, *, mesh, axis: str, n_r
         spec = [P.UNCONSTRAINED] * a.ndim
         spec[dim] = axis
         return lax.with_sharding_constraint(a, NamedSharding(mesh, P(*spec)))
+
+    wide_params_VxSxC, wide_head_params = params_VxSxC, head_params  # the primals: the gradients take their dtypes
+    if weights_dtype is not None:
+        params_VxSxC, head_params = _cast_floating((params_VxSxC, head_params), weights_dtype)
+    widen = (lambda tree: tree) if weights_dtype is None else (lambda tree: _cast_floating(tree, jnp.float32))
 
     take = np.arange(n_pad) % n_micro  # padded micro-batches: copies of the first, weight 0
     x_MxB, side_MxB, head_side_MxB = jax.tree.map(lambda a: a[take], (x_MxB, side_MxB, head_side_MxB))
@@ -215,6 +228,7 @@ def one_f_one_b(stage_fn: Callable, params_VxSxC, x_MxB, *, mesh, axis: str, n_r
     def forward(chunk, x_B, side_B, key=0):
         """One piece's forward: (y, aux, the residuals its backward needs, the chunk's weights left out)."""
         diff, rebuild = _inexact(chunk)
+        diff = widen(diff)
         (y_B, aux), vjp = jax.vjp(lambda d, x: chunk_fn(rebuild(d), x, side_B), diff, x_B)
         leaves, treedef = jax.tree.flatten(vjp)
         # The weights are the chunk's own arrays among the vjp's residuals (the checkpoint saves its inputs as they
@@ -225,6 +239,7 @@ def one_f_one_b(stage_fn: Callable, params_VxSxC, x_MxB, *, mesh, axis: str, n_r
 
     def backward(chunk, res, ct_y, ct_aux, y_like, aux_like, key=0):
         diff, _ = _inexact(chunk)
+        diff = widen(diff)
         treedef, weight_at = vjp_layout[key]
         rest = iter(res)
         vjp = jax.tree.unflatten(treedef, [diff[k] if k >= 0 else next(rest) for k in weight_at])
@@ -268,7 +283,7 @@ def one_f_one_b(stage_fn: Callable, params_VxSxC, x_MxB, *, mesh, axis: str, n_r
                                               jax.eval_shape(by_stage(chunk_forward), chunk_S, x_S, side_S))
     n_first = len(res_like[0]) if skipping else len(res_like)
     res_like = [*res_like[0], *res_like[1]] if skipping else res_like
-    diff_like, _ = _inexact(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[2:], a.dtype), params_VxSxC))
+    diff_like, _ = _inexact(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[2:], a.dtype), wide_params_VxSxC))
 
     def select(tree_VxSxC, r_S):
         """Each stage's chunk of repeat r (dim 1 split over the stage axis)."""
@@ -356,7 +371,7 @@ def one_f_one_b(stage_fn: Callable, params_VxSxC, x_MxB, *, mesh, axis: str, n_r
         def one(params, y, side, aux_all, real):
             (objective, (metrics, shared)), (d_params, dy) = jax.value_and_grad(
                 lambda p, yy: (lambda o: (o[0] * real, o[1]))(head_fn(p, yy, side, aux_all)), argnums=(0, 1),
-                has_aux=True)(params, y)
+                has_aux=True)(widen(params), y)
             return objective, metrics, shared, d_params, dy
 
         objective_g, metrics_g, shared_g, d_params_S, dy_SxB = by_stage(one, in_axes=(None, 0, 0, 0, 0))(
@@ -384,7 +399,7 @@ def one_f_one_b(stage_fn: Callable, params_VxSxC, x_MxB, *, mesh, axis: str, n_r
                                jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0], a.shape[1], *a.shape[3:]),
                                                                            a.dtype), aux_VxS))
     metrics_like, shared_like = head_like
-    head_carry = (jax.tree.map(lambda a: split(jnp.zeros((n_stages, *a.shape), a.dtype)), head_params),
+    head_carry = (jax.tree.map(lambda a: split(jnp.zeros((n_stages, *a.shape), a.dtype)), wide_head_params),
                   split(jnp.zeros((n_stages,), jnp.float32)), zeros_S(metrics_like, n_groups),
                   jax.tree.map(lambda a: jnp.zeros((n_pad, *a.shape), a.dtype), shared_like))
 
@@ -428,10 +443,10 @@ def one_f_one_b(stage_fn: Callable, params_VxSxC, x_MxB, *, mesh, axis: str, n_r
 
     _, _, grads_VxS, dx_SxM = b_carry
     head_grads_S, objective_S, metrics_SxG, _ = head_carry
-    diff_params, rebuild = _inexact(params_VxSxC)
+    diff_params, rebuild = _inexact(wide_params_VxSxC)
     d_params = jax.tree.map(  # integer leaves (an uneven split's slot mask) take float0 zeros
         lambda d, p: d if jnp.issubdtype(p.dtype, jnp.inexact) else np.zeros(p.shape, jax.dtypes.float0),
-        rebuild([g.astype(p.dtype) for g, p in zip(grads_VxS, diff_params)]), params_VxSxC)
+        rebuild([g.astype(p.dtype) for g, p in zip(grads_VxS, diff_params)]), wide_params_VxSxC)
     d_head = jax.tree.map(lambda a: jnp.sum(a, axis=0), head_grads_S)  # each stage's heads, summed over the stages
     d_x = dx_SxM[0][:n_micro]
     aux_VxSxM = jax.tree.map(lambda a: a[:, :, :n_micro], f_carry[2])

@@ -101,7 +101,8 @@ class MemoryEstimate:
 
 
 def _largest_layer_bytes(params, sizes, compute_itemsize) -> int:
-    """One layer of the largest stack, gathered over fsdp: weights (compute dtype) + grads (param dtype)."""
+    """One layer of the largest stack, gathered over fsdp: weights (compute dtype) + grads (`params`' dtype: the
+    gradient's)."""
     stacks: dict[str, int] = {}
     for leaf in params:
         if not leaf.stacked:
@@ -135,10 +136,13 @@ def _state_memory(cfg_json: str, layout: Layout, accumulating: bool, platform: s
     # shard_map (parallel/dispatch._weights_bwd): XLA:GPU keeps it whole over data, XLA:CPU slices it after the sum
     # (compiled steps at data 2 and 8, benchmarks/RESULTS.md "Memory"; with accumulation XLA:GPU varies: ibid.).
     whole_over_data = platform != "cpu"
+    # optim.master_weights: the gradient is f32 whatever the stored weights' dtype (program/step.py).
+    f32_grads = bool(cfg.optim.get("master_weights", False))
+    grad_leaves = [replace(leaf, itemsize=4) if f32_grads and leaf.itemsize < 4 else leaf for leaf in params]
     # 1F1B accumulates the stage's gradient in its loop carry, whole over data (summed once, after the schedule):
     # measured on the 256-GB300 compile of the record's layout (benchmarks/RESULTS.md).
     grads = sum((leaf if (leaf.expert and whole_over_data) or (layout.one_f_one_b and leaf.pipelined)
-                 else leaf.split_further(sizes, over)).local_bytes(sizes) for leaf in params)
+                 else leaf.split_further(sizes, over)).local_bytes(sizes) for leaf in grad_leaves)
     compute_itemsize = jnp.dtype(cfg.model.dtype).itemsize
     return MemoryEstimate(
         params=sum(leaf.local_bytes(sizes) for leaf in params) + sum(leaf.local_bytes(sizes) for leaf in model_state),
@@ -146,13 +150,13 @@ def _state_memory(cfg_json: str, layout: Layout, accumulating: bool, platform: s
         grads=grads,
         grad_accumulator=(grads if accumulating else 0) + (
             # 1F1B: the heads' gradients (final norm, LM head, MTP, embedding) summed per stage beside the step's
-            sum(leaf.local_bytes(sizes) for leaf in params if not leaf.pipelined and "dense_layers" not in leaf.path)
+            sum(leaf.local_bytes(sizes) for leaf in grad_leaves if not leaf.pipelined and "dense_layers" not in leaf.path)
             if layout.one_f_one_b else 0),
         activations=0,
         layer_transient=0,
         logits=0,
-        layer_live=_largest_layer_bytes(params, sizes, compute_itemsize),
-        stage_copies=(2 * sum(leaf.local_bytes(sizes) for leaf in params if leaf.pipelined) if platform == "cpu"
+        layer_live=_largest_layer_bytes(grad_leaves, sizes, compute_itemsize),
+        stage_copies=(2 * sum(leaf.local_bytes(sizes) for leaf in grad_leaves if leaf.pipelined) if platform == "cpu"
                       else 0),
     )
 

@@ -12,10 +12,45 @@ counts only the updates applied.
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+
+
+class MasterWeights(NamedTuple):
+    """optim.master_weights: the f32 weights the optimizer updates; the model's narrower ones are their rounding."""
+    params: Any
+
+
+def uses_master_weights(optim_cfg) -> bool:
+    return bool(optim_cfg.get("master_weights", False))
+
+
+def as_f32(tree):
+    """Each floating leaf of `tree` in f32 (the others as they are)."""
+    return jax.tree.map(lambda a: a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+
+
+def init_optimizer_state(optim_cfg, tx: optax.GradientTransformation, params):
+    """tx's state for `params`; with master weights, tx's state for their f32 copies (Adam's moments in f32
+    whatever the weights' dtype) followed by the copies themselves."""
+    if not uses_master_weights(optim_cfg):
+        return tx.init(params)
+    master = jax.tree.map(_exactly_f32, params)
+    return (*tx.init(master), MasterWeights(master))
+
+
+def _exactly_f32(a):
+    """a's values in f32, rounded to a's own precision again: where a is computed in the same program (the state
+    created inside jit) XLA may drop the f32 -> bf16 -> f32 round trip (excess precision), and the masters must be
+    the stored weights' values exactly."""
+    if not jnp.issubdtype(a.dtype, jnp.floating) or a.dtype == jnp.float32:
+        return a
+    info = jnp.finfo(a.dtype)
+    return jax.lax.reduce_precision(a.astype(jnp.float32), exponent_bits=info.nexp, mantissa_bits=info.nmant)
 
 
 def lr_schedule(optim_cfg, total_steps: int) -> optax.Schedule:
@@ -65,9 +100,15 @@ def adamw_update(optim_cfg, grads, grad_norm: jax.Array, opt_state, params, lr: 
     opt_state_shardings (the state's shardings; a distributed optimizer's moments split over `data`): each
     update is computed where its moments live, so a data rank updates its slice and the new parameters are
     all-gathered to their own sharding (by the step's out_shardings); without the constraint GSPMD may gather the
-    moments instead."""
+    moments instead.
+
+    With master weights (init_optimizer_state's fourth element) the f32 masters are updated, by the f32 gradient,
+    and the parameters returned are the new masters in the parameters' own dtype."""
     o = optim_cfg
-    clip_state, adam, decay_state = opt_state
+    clip_state, adam, decay_state, *master = opt_state
+    stored = params  # the model's weights: the update's result is written in their dtype
+    if master:  # optim.master_weights: the update runs on the f32 masters (the gradient is f32 too)
+        params = master[0].params
     # optax.clip_by_global_norm: t if norm < max else t / norm * max. The scale as one scalar (rounding differs from
     # t / norm * max by at most one ulp of f32).
     clip_scale = jnp.where(grad_norm < o.clip_norm, 1.0, o.clip_norm / grad_norm)
@@ -92,4 +133,9 @@ def adamw_update(optim_cfg, grads, grad_norm: jax.Array, opt_state, params, lr: 
     new_leaves = [param(*args) for args in zip(leaves, jax.tree.leaves(mu), jax.tree.leaves(nu), decays_of, shardings,
                                                strict=True)]
     adam = adam._replace(count=jnp.where(apply, count, adam.count), mu=mu, nu=nu)
-    return treedef.unflatten(new_leaves), (clip_state, adam, decay_state)
+    new_params = treedef.unflatten(new_leaves)
+    if not master:
+        return new_params, (clip_state, adam, decay_state)
+    # The model's weights: the new masters rounded (all-gathered to their sharding in their own, narrower dtype).
+    rounded = jax.tree.map(lambda new, old: new.astype(old.dtype), new_params, stored)
+    return rounded, (clip_state, adam, decay_state, MasterWeights(new_params))

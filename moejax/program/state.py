@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from moejax.model.transformer import Transformer, moe_stack_layout
 from moejax.parallel.mesh import logical_to_spec
+from moejax.program.optim import init_optimizer_state
 
 
 @struct.dataclass
@@ -45,7 +46,7 @@ def model_graphdef(cfg):
 def _create_state(cfg, tx, seed) -> TrainState:
     _, params, model_state = nnx.split(create_model(cfg, seed), nnx.Param, ...)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, model_state=model_state,
-                      opt_state=tx.init(params))
+                      opt_state=init_optimizer_state(cfg.optim, tx, params))
 
 
 def optimizer_state_axes(cfg) -> tuple[str, ...]:

@@ -16,7 +16,7 @@ from moejax.model.moe import combine_micro_stats, exact_dispatch
 from moejax.model.pipelined_loss import pipelined_loss, uses_1f1b
 from moejax.parallel.mesh import batch_sharding
 from moejax.parallel.pipeline import micro_batches
-from moejax.program.optim import adamw_update, lr_schedule
+from moejax.program.optim import adamw_update, as_f32, lr_schedule, uses_master_weights
 from moejax.program.state import TrainState
 
 
@@ -66,7 +66,7 @@ def _unpack(batch):
     return batch, None
 
 
-def _accumulate(state, graphdef, tokens_BxL1, segments_BxL1, mtp_weight, mtp_depth: int, n: int):
+def _accumulate(state, params, graphdef, tokens_BxL1, segments_BxL1, mtp_weight, mtp_depth: int, n: int):
     """Gradient accumulation over n micro-batches (lax.scan) that equals the full batch's gradient: each head's
     cross-entropy is a mean over the whole batch's valid targets, so micro-batch m's is weighted by its share
     of them (packed documents leave micro-batches with unequal counts); the balance losses, defined per pass,
@@ -85,10 +85,10 @@ def _accumulate(state, graphdef, tokens_BxL1, segments_BxL1, mtp_weight, mtp_dep
     grad_fn = jax.value_and_grad(objective, argnums=(0, 1), has_aux=True)
 
     def body(grad_sum, xs):
-        (loss, (ce, stats, parts)), (grads, _) = grad_fn(state.params, state.model_state, *xs)
+        (loss, (ce, stats, parts)), (grads, _) = grad_fn(params, state.model_state, *xs)
         return jax.tree.map(jnp.add, grad_sum, grads), (loss, ce, stats, parts)
 
-    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    zeros = jax.tree.map(jnp.zeros_like, params)
     grads, (loss_N, ce_N, stats, parts) = jax.lax.scan(body, zeros, (tokens_NxBxL1, segments_NxBxL1, share_NxH))
     if stats is not None:
         stats = combine_micro_stats(stats)
@@ -107,12 +107,16 @@ def train_step(state: TrainState, batch: dict, *, graphdef, optim_cfg, schedule,
     # every variable of one module at the same trace level.
     grad_fn = jax.value_and_grad(_loss, argnums=(0, 1), has_aux=True)
     tokens, segments = _unpack(batch)
+    # optim.master_weights: the gradient is taken at the stored (narrower) weights' f32 values, so it is f32; each
+    # GEMM casts its weight back to the compute dtype, which XLA folds into the stored array (model/layers.project),
+    # and the 1F1B schedule holds the stored arrays and takes each chunk's vjp at f32 (parallel/one_f_one_b.py).
+    params = as_f32(state.params) if uses_master_weights(optim_cfg) else state.params
     if micro_batches == 1:
-        (loss, (ce, stats, parts)), (grads, _) = grad_fn(state.params, state.model_state, graphdef, tokens,
+        (loss, (ce, stats, parts)), (grads, _) = grad_fn(params, state.model_state, graphdef, tokens,
                                                          segments, mtp_weight)
     else:
-        loss, ce, stats, parts, grads = _accumulate(state, graphdef, tokens, segments, mtp_weight, mtp_depth,
-                                                    micro_batches)
+        loss, ce, stats, parts, grads = _accumulate(state, params, graphdef, tokens, segments, mtp_weight,
+                                                    mtp_depth, micro_batches)
     if nan_steps:  # guards.inject_nan_steps: poison these steps' loss and gradient (tests the guard end to end)
         poison = jnp.where(jnp.isin(state.step, jnp.asarray(nan_steps, jnp.int32)), jnp.nan, 1.0)
         loss, ce = loss * poison, ce * poison

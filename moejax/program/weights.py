@@ -5,6 +5,7 @@ optimizer starts afresh."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import jax
@@ -16,6 +17,7 @@ from moejax.config.changes import Continuation, changed_fields
 from moejax.errors import InputError
 from moejax.interop.safetensors_io import CheckpointFormatError
 from moejax.interop.weights_dir import is_training_checkpoint, load_weights, read_config
+from moejax.program.optim import init_optimizer_state
 from moejax.program.state import TrainState, abstract_state, train_state_shardings
 
 
@@ -33,21 +35,29 @@ def weights_mismatch(saved_cfg, cfg) -> list[str]:
 def init_state_from_weights(cfg, tx, mesh: Mesh, directory) -> tuple[TrainState, object]:
     """(state sharded on mesh, its shardings); orbax reshards the saved arrays onto this mesh."""
     try:
-        mismatch = weights_mismatch(read_config(directory), cfg)
+        saved_cfg = read_config(directory)
+        mismatch = weights_mismatch(saved_cfg, cfg)
         if mismatch:
             raise WeightsMismatchError(f"checkpoint.init_from={directory}: {mismatch[0]}"
                                        + (f" (and {len(mismatch) - 1} more)" if len(mismatch) > 1 else ""))
         abstract = abstract_state(cfg, tx)
         shardings = train_state_shardings(cfg, abstract, mesh)
         if is_training_checkpoint(directory):
-            params, model_state = _restore_weights_of_checkpoint(directory, abstract, shardings)
+            # The saved item's structure: its optimizer state holds f32 masters or not (optim.master_weights).
+            like = cfg.copy_and_resolve_references()
+            with like.unlocked():
+                like.optim.master_weights = bool(saved_cfg.get("optim", {}).get("master_weights", False))
+            saved_abstract = abstract_state(like, tx)
+            params, model_state = _restore_weights_of_checkpoint(
+                directory, saved_abstract, train_state_shardings(like, saved_abstract, mesh))
         else:
             params, model_state = load_weights(directory, abstract.params, abstract.model_state,
                                                (shardings.params, shardings.model_state))
     except CheckpointFormatError as e:
         raise CheckpointFormatError(f"checkpoint.init_from: {e}") from None
     with jax.set_mesh(mesh):
-        opt_state = jax.jit(tx.init, out_shardings=shardings.opt_state)(params)
+        opt_state = jax.jit(functools.partial(init_optimizer_state, cfg.optim, tx),
+                            out_shardings=shardings.opt_state)(params)
     step = jax.device_put(jnp.zeros((), jnp.int32), shardings.step)
     return TrainState(step=step, params=params, model_state=model_state, opt_state=opt_state), shardings
 
