@@ -382,8 +382,9 @@ def assumptions(topo: Topology, efficiency: float, domain_size: int, cfg=None, *
         "dispatch bytes: capacity = E x C x D per exchange; dropless = the device's T x K routed rows (GPU ragged "
         "path; buffers of the receive window, moe.dropless_window x T x K rows); 4 exchanges per MoE layer per "
         "pass, 6 with recompute",
-        "memory: the train state at its sharded size (params and AdamW moments in model.param_dtype; the moments "
-        "also split over data with optim.state_sharding=data) plus the larger of two phases: the backward (the "
+        "memory: the train state at its sharded size (params and AdamW moments in model.param_dtype; with "
+        "optim.master_weights the moments, f32 masters and gradients in f32; the moments and masters also split "
+        "over data with optim.state_sharding=data) plus the larger of two phases: the backward (the "
         "residuals the remat policy saves for one micro-batch, the accumulated gradient when accumulating, and the "
         "larger of the loss's f32 logits per head and the layers' backward: the sharded gradient tree, the largest "
         "layer's gathered weights and unreduced gradients and one remat'd block's rematerialised internals "
