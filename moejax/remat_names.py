@@ -1,7 +1,7 @@
 """Names of the activations a selective remat policy keeps (model.remat, docs/memory.md).
 
 Tagged with `jax.ad_checkpoint.checkpoint_name` where they are computed (attention, the expert dispatch, the
-grouped GEMMs); model/transformer.py's policies save them by name. A leaf module: the kernels, the dispatch and
+grouped GEMMs); model/layer_stack.py's policies save them by name. A leaf module: the kernels, the dispatch and
 the model all tag, and none of them may import the others' layer.
 """
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from moejax.config import ConfigError, validate
-from moejax.model.transformer import moe_stack_layout
+from moejax.model.layer_stack import moe_stack_layout
 from moejax.parallel.device_grid import MeshLayoutError, hybrid_device_grid
 from tests.test_train_step import one_step, small_config
 

@@ -15,7 +15,8 @@ from flax import nnx
 from jax.sharding import AbstractMesh, AxisType
 
 from moejax.config import MESH_AXES
-from moejax.model.transformer import Block, _remat
+from moejax.model.layer_stack import _remat
+from moejax.model.transformer import Block
 from moejax.parallel.context import ContextQueries
 from moejax.parallel.topology import get_topology
 from moejax.planner.activations import activation_terms, trace_config

@@ -27,7 +27,8 @@ from moejax.kernels import fp8
 from moejax.model.loss import (LossParts, batch_balance_loss, head_ce, micro_batch_balance, target_mask,
                                valid_targets_H)
 from moejax.model.moe import MoEStats
-from moejax.model.transformer import ACT_BxLxD, _stack_stats, _tick_policy, shift_left
+from moejax.model.layer_stack import _tick_policy
+from moejax.model.transformer import ACT_BxLxD, _stack_stats, shift_left
 from moejax.parallel.mesh import constrain, current_mesh, inside_stage
 from moejax.parallel.one_f_one_b import one_f_one_b
 from moejax.parallel.pipeline import micro_batches, slot_is_layer

@@ -62,7 +62,8 @@ from moejax.config import MESH_AXES
 from moejax.config.layers import layer_plan
 from moejax.kernels import te_gemm
 from moejax.model.loss import lm_loss
-from moejax.model.transformer import Block, _remat
+from moejax.model.layer_stack import _remat
+from moejax.model.transformer import Block
 from moejax.planner.context import attention_layers, context_activations
 from moejax.planner.state_shapes import state_leaves
 from moejax.program.state import create_model

@@ -15,7 +15,8 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from moejax.model.transformer import Transformer, moe_stack_layout
+from moejax.model.layer_stack import moe_stack_layout
+from moejax.model.transformer import Transformer
 from moejax.parallel.mesh import logical_to_spec
 from moejax.program.optim import init_optimizer_state
 
@@ -117,7 +118,7 @@ def stacked_like(saved_cfg: dict, cfg):
     """The config `cfg` as the run that wrote a checkpoint stored its MoE stack, or None when the storage agrees.
 
     Pipeline stages with virtual stages or an uneven split store the MoE stack in padded chunk slots [V, S C, ...]
-    (model/transformer.py's moe_stack_layout), any other layout as [L, ...]; a checkpoint of one restores onto the
+    (model/layer_stack.py's moe_stack_layout), any other layout as [L, ...]; a checkpoint of one restores onto the
     other by moving each layer to its slot (restack). The stage count of an even split alone changes no shape."""
     saved_mesh = saved_cfg.get("mesh", {})
     like = cfg.copy_and_resolve_references()
