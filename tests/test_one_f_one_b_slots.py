@@ -1,10 +1,10 @@
-"""The 1F1B schedule's residual slots (parallel/one_f_one_b.residual_slot_table): no slot is given to two forwards
+"""The 1F1B schedule's residual slots (parallel/one_f_one_b_tables.residual_slot_table): no slot is given to two forwards
 alive at once, and the ring holds no more slots than forwards are ever alive together on a stage."""
 
 import numpy as np
 import pytest
 
-from moejax.parallel.one_f_one_b import residual_slot_table
+from moejax.parallel.one_f_one_b_tables import residual_slot_table
 
 
 def _lives(n_stages, n_micro, n_repeats):
@@ -48,7 +48,7 @@ def test_ticks_leave_out_the_last_slot_only_where_no_stage_needs_it():
     layer (checked item by item against the schedule); on DeepSeek-V3's split (58 MoE layers, PP2 x VP8: the last
     3 repeats' chunks end in an identity slot) 5 of each round's 16 forward and backward ticks leave it out, and
     an even split runs every slot."""
-    from moejax.parallel.one_f_one_b import executed_slots, skip_last_slot
+    from moejax.parallel.one_f_one_b_tables import executed_slots, skip_last_slot
     from moejax.parallel.pipeline import slot_is_layer
 
     n_stages, n_micro, n_repeats = 2, 32, 8

@@ -11,7 +11,7 @@ import pytest
 
 from moejax.model.accounting import mtp_blocks_macs_fraction, pipelined_macs_fraction
 from moejax.kernels.resolve import GPU_EXCHANGE_CHUNKS
-from moejax.parallel.one_f_one_b import executed_slots
+from moejax.parallel.one_f_one_b_tables import executed_slots
 from moejax.parallel.pipeline import schedule_ticks, slot_is_layer
 from moejax.parallel.topology import get_topology
 from moejax.planner.comm import step_traffic, wire_bytes

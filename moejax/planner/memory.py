@@ -50,7 +50,7 @@ import ml_collections
 
 from moejax.config.layers import layer_plan
 from moejax.kernels import te_gemm
-from moejax.parallel.one_f_one_b import residual_slot_table
+from moejax.parallel.one_f_one_b_tables import residual_slot_table
 from moejax.parallel.pipeline import chunk_slots, schedule_ticks
 from moejax.planner.activations import activation_terms
 from moejax.planner.layout import Layout, layout_config, loss_chunks

@@ -30,7 +30,7 @@ from moejax.config.layers import layer_plan
 from moejax.kernels.resolve import GPU_EXCHANGE_CHUNKS, resolve_exchange_chunks
 from moejax.model.accounting import (expert_ffn_macs_fractions, flops_per_token, fp8_macs_fraction,
                                      mtp_blocks_macs_fraction, pipelined_macs_fraction)
-from moejax.parallel.one_f_one_b import executed_slots
+from moejax.parallel.one_f_one_b_tables import executed_slots
 from moejax.parallel.pipeline import bubble_fraction, chunk_slots, slot_is_layer
 from moejax.parallel.topology import Topology
 from moejax.planner.comm import buffer_bytes_by_link, step_traffic, wire_bytes
@@ -191,7 +191,7 @@ def stage_terms(cfg, layout: Layout, seq: int, recompute: float = 1.0) -> tuple[
     the bubble and by an uneven split's identity slots (S V C / L), the MTP passes split over the stages by
     micro-batch (ceil(M / S) per stage), the rest (embedding, dense layers, heads, loss) split
     over the stages like the batch. 1F1B: the pipelined share is the slot executions the schedule runs
-    (one_f_one_b.executed_slots: it leaves identity last slots out where no stage needs them), a backward slot
+    (one_f_one_b_tables.executed_slots: it leaves identity last slots out where no stage needs them), a backward slot
     weighing 2 + 3 (recompute - 1) forward ones (recompute: the policy's hardware over model FLOPs)."""
     if layout.stage <= 1:
         return 0.0, 1.0
