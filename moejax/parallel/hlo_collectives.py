@@ -202,6 +202,10 @@ def _overlap_windows(lines, owner) -> tuple[dict[int, tuple[bool, bool]], dict[s
         for pos, i in enumerate(idx):
             if d := _DONE.search(lines[i]):
                 done_at[d["start"]] = pos
+        # Running counts of compute and GEMM instructions, so each window is two subtractions (a scheduled
+        # 671B step has computations of 10^5 instructions and thousands of long windows).
+        compute_before = np.cumsum([0] + [bool(_COMPUTE.search(lines[i])) for i in idx])
+        gemm_before = np.cumsum([0] + [bool(_GEMM.search(lines[i])) for i in idx])
         for pos, i in enumerate(idx):
             line = lines[i]
             call = _ASYNC_CALL.search(line)
@@ -209,8 +213,11 @@ def _overlap_windows(lines, owner) -> tuple[dict[int, tuple[bool, bool]], dict[s
                 continue
             name = _INSTR.match(line)["name"]
             end = done_at.get(name)
-            between = [lines[j] for j in idx[pos + 1:end]] if end is not None and _SYNC not in line else []
-            found = (any(_COMPUTE.search(b) for b in between), any(_GEMM.search(b) for b in between))
+            if end is not None and end > pos + 1 and _SYNC not in line:
+                found = (bool(compute_before[end] > compute_before[pos + 1]),
+                         bool(gemm_before[end] > gemm_before[pos + 1]))
+            else:
+                found = (False, False)
             if call:
                 calls[call["callee"]] = found
             else:
