@@ -27,6 +27,9 @@ DTYPE_BYTES = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16
                 "u16": 2, "s8": 1, "u8": 1, "pred": 1, "f8e4m3fn": 1, "f8e5m2": 1}
 _KINDS = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute", "ragged-all-to-all")
 _OP = re.compile(r"=\s*(?P<result>\(.*?\)|\S+)\s+(?P<kind>" + "|".join(_KINDS) + r")(?:-start)?\(")
+# _OP's lazy tuple match is quadratic on a long line without a collective (a Mosaic kernel's custom call carries
+# 100 KB of config): only lines that name a collective op are searched.
+_OP_NAMES = tuple(f" {k}{s}(" for k in _KINDS for s in ("", "-start"))
 _SHAPE = re.compile(r"(?P<dtype>[a-z0-9]+)\[(?P<dims>[0-9,]*)\]")
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
 _CALLEE = re.compile(r"\b(?P<how>body|condition|calls|to_apply)=%(?P<name>[\w.\-]+)")
@@ -241,7 +244,7 @@ def collectives(hlo_text: str) -> list[Collective]:
     started, async_calls = _overlap_windows(lines, owner)
     out = []
     for i, (line, comp) in enumerate(zip(lines, owner)):
-        m = _OP.search(line)
+        m = _OP.search(line) if any(k in line for k in _OP_NAMES) else None
         if not m or "-done(" in line or comp is None or reached.get(comp, 0) == 0:
             continue
         groups = replica_groups(line, n_devices or 1)
