@@ -112,3 +112,5 @@ def test_planner_counts_bf16_weights_f32_masters_and_gradients():
     # the moments as before, plus the masters split as they are
     assert masters.opt_state == pytest.approx(1.5 * f32.opt_state, rel=0.01)
     assert masters.grads == f32.grads
+    # the scanned stacks' f32 copies (no 1F1B here): every stacked leaf at f32, none without master weights
+    assert f32.f32_weight_copies == 0 and 0 < masters.f32_weight_copies < f32.params

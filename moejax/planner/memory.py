@@ -71,6 +71,7 @@ class MemoryEstimate:
     stage_copies: int = 0  # pipeline stages: the stage's MoE stack and its gradient in the layout the stages' vmap wants
     context_kv: int = 0  # context > 1: the whole sequence's K/V (and gradients) of the layer being differentiated
     kernel_workspace: int = 0  # kernels.expert_gemm=te: the cuBLAS workspace of the grouped GEMM being run
+    f32_weight_copies: int = 0  # optim.master_weights: f32 copies of the stacks scanned outside the 1F1B schedule
 
     @property
     def state(self) -> int:
@@ -81,7 +82,7 @@ class MemoryEstimate:
         """Beside the state during the backward: the saved activations (and the accumulated gradient), then the
         larger of two phases: the loss over the vocabulary, which runs before any layer's weight gradient exists,
         or the layers' backward, which holds the gradients, the layer being differentiated and its transient."""
-        return (self.grad_accumulator + self.activations + self.stage_copies
+        return (self.grad_accumulator + self.activations + self.stage_copies + self.f32_weight_copies
                 + max(self.logits, self.grads + self.layer_live + self.layer_transient + self.context_kv
                       + self.kernel_workspace))
 
@@ -156,6 +157,10 @@ def _state_memory(cfg_json: str, layout: Layout, accumulating: bool, platform: s
         layer_transient=0,
         logits=0,
         layer_live=_largest_layer_bytes(grad_leaves, sizes, compute_itemsize),
+        # Master weights: a stack scanned outside the 1F1B schedule is differentiated at f32 and XLA keeps f32 copies
+        # of its weights (compiled: docs/memory.md "Master weights"); 1F1B's chunks take their vjps at f32 per tick.
+        f32_weight_copies=sum(leaf.local_bytes(sizes) for leaf in grad_leaves
+                              if f32_grads and leaf.stacked and not (layout.one_f_one_b and leaf.pipelined)),
         stage_copies=(2 * sum(leaf.local_bytes(sizes) for leaf in grad_leaves if leaf.pipelined) if platform == "cpu"
                       else 0),
     )
