@@ -80,8 +80,9 @@ def test_master_weights_step_is_the_f32_step_at_the_stored_weights(devices):
 
 @slow_pipeline
 def test_master_weights_under_1f1b_are_the_f32_step(devices):
-    cfg = pipeline_config("capacity", 4)
-    cfg.mesh.stage, cfg.mesh.virtual_stages, cfg.mesh.data = 2, 2, 1
+    # PP2 x expert 2 x tensor 2, 4 MoE layers, 4 micro-batches: a steady state (one round), a small 1F1B program
+    cfg = pipeline_config("capacity", 4, n_moe=4)
+    cfg.mesh.stage, cfg.mesh.virtual_stages, cfg.mesh.data = 2, 1, 1
     cfg.mesh.expert, cfg.mesh.tensor, cfg.mesh.pipeline_schedule = 2, 2, "1f1b"
     tokens = np.random.default_rng(22).integers(0, 259, size=(8, 17), dtype=np.int32)
     _assert_masters_are_the_f32_step(cfg, devices, tokens)
