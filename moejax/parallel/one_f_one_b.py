@@ -49,7 +49,8 @@ def _inexact(tree):
     return [leaves[i] for i in where], rebuild
 
 
-def _cast_floating(tree, dtype):
+def cast_floating(tree, dtype):
+    """Each floating leaf of `tree` in `dtype` (the others, an uneven split's slot masks, as they are)."""
     return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
 
 
@@ -102,8 +103,8 @@ def one_f_one_b(stage_fn: Callable, params_VxSxC, x_MxB, *, mesh, axis: str, n_r
 
     wide_params_VxSxC, wide_head_params = params_VxSxC, head_params  # the primals: the gradients take their dtypes
     if weights_dtype is not None:
-        params_VxSxC, head_params = _cast_floating((params_VxSxC, head_params), weights_dtype)
-    widen = (lambda tree: tree) if weights_dtype is None else (lambda tree: _cast_floating(tree, jnp.float32))
+        params_VxSxC, head_params = cast_floating((params_VxSxC, head_params), weights_dtype)
+    widen = (lambda tree: tree) if weights_dtype is None else (lambda tree: cast_floating(tree, jnp.float32))
 
     take = np.arange(n_pad) % n_micro  # padded micro-batches: copies of the first, weight 0
     x_MxB, side_MxB, head_side_MxB = jax.tree.map(lambda a: a[take], (x_MxB, side_MxB, head_side_MxB))

@@ -55,6 +55,7 @@ from moejax.parallel.pipeline import chunk_slots, schedule_ticks
 from moejax.planner.activations import activation_terms
 from moejax.planner.layout import Layout, layout_config, loss_chunks
 from moejax.planner.state_shapes import state_leaves
+from moejax.program.optim import uses_master_weights
 from moejax.program.state import optimizer_state_axes
 
 
@@ -138,7 +139,7 @@ def _state_memory(cfg_json: str, layout: Layout, accumulating: bool, platform: s
     # (compiled steps at data 2 and 8, benchmarks/RESULTS.md "Memory"; with accumulation XLA:GPU varies: ibid.).
     whole_over_data = platform != "cpu"
     # optim.master_weights: the gradient is f32 whatever the stored weights' dtype (program/step.py).
-    f32_grads = bool(cfg.optim.get("master_weights", False))
+    f32_grads = uses_master_weights(cfg.optim)
     grad_leaves = [replace(leaf, itemsize=4) if f32_grads and leaf.itemsize < 4 else leaf for leaf in params]
     # 1F1B accumulates the stage's gradient in its loop carry, whole over data (summed once, after the schedule):
     # measured on the 256-GB300 compile of the record's layout (benchmarks/RESULTS.md).

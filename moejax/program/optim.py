@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from moejax.parallel.one_f_one_b import cast_floating
+
 
 class MasterWeights(NamedTuple):
     """optim.master_weights: the f32 weights the optimizer updates; the model's narrower ones are their rounding."""
@@ -31,7 +33,7 @@ def uses_master_weights(optim_cfg) -> bool:
 
 def as_f32(tree):
     """Each floating leaf of `tree` in f32 (the others as they are)."""
-    return jax.tree.map(lambda a: a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+    return cast_floating(tree, jnp.float32)
 
 
 def init_optimizer_state(optim_cfg, tx: optax.GradientTransformation, params):
