@@ -1,6 +1,10 @@
-"""moejax's XLA:GPU overlap flags are added to XLA_FLAGS where the user has not set them, never over a user's."""
+"""moejax's XLA:GPU overlap flags are added to XLA_FLAGS where the user has not set them, never over a user's; the
+scheduler's memory budget is XLA's own."""
 
-from moejax.parallel.xla_gpu_flags import OVERLAP_FLAGS, add_overlap_flags, describe, user_set
+import pytest
+
+from moejax.parallel.xla_gpu_flags import (OVERLAP_FLAGS, add_overlap_flags, describe, scheduler_memory_limit,
+                                           scheduler_memory_note, slop_percent, user_set)
 
 
 def test_missing_overlap_flags_are_added_and_the_users_win():
@@ -14,3 +18,22 @@ def test_missing_overlap_flags_are_added_and_the_users_win():
     assert add_overlap_flags(env) == in_effect and user_set(env["XLA_FLAGS"]) == flags  # idempotent
     assert add_overlap_flags({})["xla_gpu_enable_latency_hiding_scheduler"] == "true"
     assert "--xla_gpu_enable_pipelined_all_gather=false" in describe(in_effect)
+
+
+def test_scheduler_budget_is_xlas():
+    """DeepSeek-V3 671B, the record's layout compiled for 256 GB300s without a device (benchmarks/RESULTS.md): XLA
+    logged its rematerialisation target (budget + arguments) as 224,635,032,773 bytes at the default slop and
+    285,738,126,565 with --xla_gpu_memory_limit_slop_factor=148; arguments (outputs aliased) 115,111,143,788 and
+    temporaries 168,653,762,320 bytes as its memory analysis reported them."""
+    gb300, io, temp = 288_000_000_000, 115_111_143_788, 168_653_762_320
+    base = int(gb300 * 0.8)
+    assert slop_percent("--xla_gpu_enable_latency_hiding_scheduler=true") == 95
+    assert slop_percent("--xla_gpu_memory_limit_slop_factor=148") == 148
+    assert scheduler_memory_limit(base, io, 95) + io == pytest.approx(224_635_032_773, rel=1e-5)
+    assert scheduler_memory_limit(base, io, 148) + io == pytest.approx(285_738_126_565, rel=1e-5)
+    note = scheduler_memory_note(base, gb300, io, temp, 95)
+    assert "scheduled for memory" in note and "--xla_gpu_memory_limit_slop_factor=150 " in note
+    whole = scheduler_memory_limit(base, io, 150)
+    assert gb300 - io <= whole < gb300 - io + (base - io) // 100  # the smallest slop that budgets the device
+    assert scheduler_memory_note(base, gb300, io, temp, 150) is None
+    assert scheduler_memory_note(base, gb300, base + 1, 1, 95) is not None  # arguments over the base: no budget

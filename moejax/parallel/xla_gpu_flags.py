@@ -48,3 +48,38 @@ def describe(in_effect: dict[str, str]) -> str:
     """The line printed on GPUs: which overlap flags are in effect and that XLA_FLAGS overrides them."""
     return ("XLA:GPU overlap flags (moejax's defaults; set any in XLA_FLAGS to override): "
             + " ".join(f"--{k}={v}" for k, v in in_effect.items()))
+
+
+# XLA:GPU's memory budget for its latency-hiding scheduler and rematerialisation (gpu_hlo_schedule.cc,
+# GetSchedulerMemoryLimit): (base - the program's arguments and outputs) x slop / 100. The base is the memory the
+# compile is given: on a GPU jax passes its allocator's limit (XLA_PYTHON_CLIENT_MEM_FRACTION of the memory); a
+# deviceless compile has none and XLA takes 80% of the target's memory. Over the budget, the scheduler orders the
+# program to lower its peak and leaves collectives synchronous: the overlap that memory would buy is gone.
+MEMORY_LIMIT_SLOP_FLAG = "xla_gpu_memory_limit_slop_factor"
+XLA_DEFAULT_SLOP_PERCENT = 95
+DEVICELESS_BASE_SHARE = 0.8
+
+
+def slop_percent(xla_flags: str) -> int:
+    """The --xla_gpu_memory_limit_slop_factor in effect (XLA's default 95)."""
+    return int(user_set(xla_flags).get(MEMORY_LIMIT_SLOP_FLAG, XLA_DEFAULT_SLOP_PERCENT))
+
+
+def scheduler_memory_limit(base_bytes: int, io_bytes: int, slop: int) -> int:
+    """Bytes of temporaries XLA:GPU's scheduler plans for (0 where the arguments alone exceed the base)."""
+    return max(0, (base_bytes - io_bytes) * slop // 100)
+
+
+def scheduler_memory_note(base_bytes: int, device_bytes: int, io_bytes: int, temp_bytes: int, slop: int) -> str | None:
+    """One line when the compiled program's temporaries exceed the scheduler's budget (it then scheduled for memory,
+    not overlap), with the slop factor that would give the scheduler the device's whole memory; None otherwise."""
+    limit = scheduler_memory_limit(base_bytes, io_bytes, slop)
+    if temp_bytes <= limit:
+        return None
+    gib = 2**30
+    whole = -(-100 * (device_bytes - io_bytes) // max(1, base_bytes - io_bytes))  # ceil: limit = device - io
+    return (f"XLA:GPU's scheduler planned for {limit / gib:.1f} GiB of temporaries ((base {base_bytes / gib:.1f} - "
+            f"arguments {io_bytes / gib:.1f} GiB) x {slop}%) and the program needs {temp_bytes / gib:.1f}: it "
+            "scheduled for memory, so its collectives run mostly synchronously; "
+            f"--{MEMORY_LIMIT_SLOP_FLAG}={whole} in XLA_FLAGS budgets the device's whole "
+            f"{device_bytes / gib:.1f} GiB (more overlap, more temporaries)")

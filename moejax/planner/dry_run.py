@@ -14,6 +14,7 @@ bytes in the XLA column. Both columns are also broken down by the element type m
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
 
@@ -26,6 +27,8 @@ from moejax.kernels.resolve import KERNEL_FIELDS, apply_kernels, devices_compute
 from moejax.parallel.hlo_collectives import bytes_by_dtype, collectives, overlap
 from moejax.parallel.hlo_kernels import (kernel_inventory, lowered_custom_calls, stacked_weight_copies,
                                          te_grouped_gemms)
+from moejax.parallel.xla_gpu_flags import (DEVICELESS_BASE_SHARE, scheduler_memory_limit, scheduler_memory_note,
+                                           slop_percent)
 from moejax.parallel.xla_gpu_flags import describe as describe_xla_flags
 from moejax.parallel.mesh import batch_sharding, make_mesh
 from moejax.parallel.topology import TOPOLOGIES, get_topology
@@ -128,6 +131,13 @@ def dry_run(cfg, n_devices: int, target: str | None = None, *, keep_hlo: bool = 
         notes.append("XLA:CPU moves bf16 collectives as f32 (its float-normalization-bf16 pass converts the "
                      f"operands), so the XLA column counts them at 2x: {ratios}; the planner column is at the "
                      "model's dtypes, what a GPU moves")
+    scheduler_limit = None
+    if gpu:  # a deviceless compile: XLA budgets 80% of the target's memory (parallel/xla_gpu_flags.py)
+        base, io = int(gpu.memory_bytes * DEVICELESS_BASE_SHARE), xla_bytes - mem.temp_size_in_bytes
+        slop = slop_percent(os.environ.get("XLA_FLAGS", ""))
+        scheduler_limit = scheduler_memory_limit(base, io, slop)
+        note = scheduler_memory_note(base, gpu.memory_bytes, io, mem.temp_size_in_bytes, slop)
+        notes += [note] if note else []
     return {
         **({"hlo": hlo} if keep_hlo else {}),
         "devices": n_devices, "mesh": sizes, "domain_size": domain, "layout": layout.name(),
@@ -141,6 +151,7 @@ def dry_run(cfg, n_devices: int, target: str | None = None, *, keep_hlo: bool = 
         "xla": {"memory_bytes": xla_bytes, "argument_bytes": mem.argument_size_in_bytes,
                 "output_bytes": mem.output_size_in_bytes, "alias_bytes": mem.alias_size_in_bytes,
                 "temp_bytes": mem.temp_size_in_bytes, "flops": float(cost.get("flops", 0.0)),
+                "scheduler_memory_limit_bytes": scheduler_limit,
                 "kernels": kernel_inventory(hlo),
                 # whole layer stacks relaid out for a gather (parallel/layouts.py keeps them out): none expected
                 "stacked_weight_copies": stacked_weight_copies(hlo),
