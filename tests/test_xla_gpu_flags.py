@@ -36,4 +36,5 @@ def test_scheduler_budget_is_xlas():
     whole = scheduler_memory_limit(base, io, 150)
     assert gb300 - io <= whole < gb300 - io + (base - io) // 100  # the smallest slop that budgets the device
     assert scheduler_memory_note(base, gb300, io, temp, 150) is None
-    assert scheduler_memory_note(base, gb300, base + 1, 1, 95) is not None  # arguments over the base: no budget
+    over = scheduler_memory_note(base, gb300, base + 1, 1, 95)  # arguments over the base: no budget, no slop helps
+    assert over is not None and "no memory budget" in over and "slop_factor=" not in over

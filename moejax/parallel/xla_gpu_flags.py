@@ -77,7 +77,10 @@ def scheduler_memory_note(base_bytes: int, device_bytes: int, io_bytes: int, tem
     if temp_bytes <= limit:
         return None
     gib = 2**30
-    whole = -(-100 * (device_bytes - io_bytes) // max(1, base_bytes - io_bytes))  # ceil: limit = device - io
+    if io_bytes >= base_bytes:  # XLA budgets nothing then, whatever the slop
+        return (f"the arguments ({io_bytes / gib:.1f} GiB) exceed XLA:GPU's base ({base_bytes / gib:.1f} GiB): its "
+                "scheduler had no memory budget and scheduled for memory, so its collectives run mostly synchronously")
+    whole = -(-100 * (device_bytes - io_bytes) // (base_bytes - io_bytes))  # ceil: limit = device - io
     return (f"XLA:GPU's scheduler planned for {limit / gib:.1f} GiB of temporaries ((base {base_bytes / gib:.1f} - "
             f"arguments {io_bytes / gib:.1f} GiB) x {slop}%) and the program needs {temp_bytes / gib:.1f}: it "
             "scheduled for memory, so its collectives run mostly synchronously; "
