@@ -196,6 +196,7 @@ def train(cfg, workdir, **join) -> dict:
 _COUNT = integer(1)
 _EFFICIENCY = number(0, 1, above=True, note="the fraction of the bf16 dense peak the GEMMs reach")
 _DOMAIN_SIZE = integer(0, note="0: whole domains")
+_MEM_FRACTION = number(0, 1, above=True, note="XLA_PYTHON_CLIENT_MEM_FRACTION: the allocator's share of a GPU's memory")
 
 
 def emulate_cpu_devices(n_devices: int) -> None:
@@ -213,10 +214,17 @@ def emulate_cpu_devices(n_devices: int) -> None:
                          f"{jax.device_count()}; call moejax.dry_run before anything else uses jax")
 
 
-def dry_run(cfg, n_devices: int | None = None, target: str | None = None) -> dict:
+def dry_run(cfg, n_devices: int | None = None, target: str | None = None, mem_fraction: float | None = None) -> dict:
     """Compiles the real training step for an emulated mesh of n_devices CPU devices (default:
     mesh_device_count of the config) with abstract state, and returns XLA's per-device memory, FLOPs and collectives next to the
-    planner's prediction (what `moejax-train --dry_run` prints and writes to dry_run.json)."""
+    planner's prediction (what `moejax-train --dry_run` prints and writes to dry_run.json). mem_fraction (with a
+    GPU target): compile with the scheduler budget of a GPU run at XLA_PYTHON_CLIENT_MEM_FRACTION=mem_fraction and
+    say whether the program fits that allocator."""
+    if mem_fraction is not None:
+        if not target:
+            raise InputError(f"mem_fraction={mem_fraction!r} needs a GPU target (an XLA:CPU compile has no scheduler "
+                             "budget)")
+        mem_fraction = float(_MEM_FRACTION.check("mem_fraction", mem_fraction, InputError))
     n = _COUNT.check("n_devices", n_devices, InputError) if n_devices else mesh_device_count(cfg.mesh)
     validate(cfg, n)  # before the device count is fixed for this process
     if target:  # a GPU compile without a GPU: XLA:GPU through jax's CUDA plugin, compile-only devices
@@ -231,7 +239,7 @@ def dry_run(cfg, n_devices: int | None = None, target: str | None = None) -> dic
         emulate_cpu_devices(n)
     from moejax.planner.dry_run import dry_run as compile_and_compare
 
-    report = compile_and_compare(cfg, n, target)
+    report = compile_and_compare(cfg, n, target, mem_fraction=mem_fraction)
     if target:
         report["xla_gpu_flags"] = overlap_flags
     return report
@@ -249,9 +257,11 @@ def _one_or_more(name: str, value, *, may_be_empty: bool = False) -> list[tuple[
 
 def plan(cfg, *, topology: str, gpus: int | Sequence[int], efficiency: float = 0.5, domain_size: int = 0,
          remats: str | Sequence[str] = REMAT_POLICIES, dispatches: str | Sequence[str] | None = None, top: int = 5,
-         candidates: str | Sequence[str] = ()) -> dict:
+         candidates: str | Sequence[str] = (), mem_fraction: float | None = None) -> dict:
     """`moejax-plan --topology T --gpus N,...`: the layouts that fit at each GPU count, ranked by predicted
-    step time, with the scaling between counts and the assumptions made. Nothing is compiled. gpus, remats,
+    step time, with the scaling between counts and the assumptions made. Nothing is compiled. mem_fraction: the
+    share of each GPU's memory the run gives XLA's allocator (XLA_PYTHON_CLIENT_MEM_FRACTION; None: what moejax's
+    launch scripts set), the base of XLA:GPU's scheduler budget. gpus, remats,
     dispatches (None: the config's) and candidates (layouts to rank and explain, e.g. "pp=2,vp=8,ep=32,data=4")
     take one value or a list/tuple of them. Every argument is checked here (moejax-plan only parses its flags'
     text) and the config as moejax-plan checks it; the first bad one raises InputError, in one line."""
@@ -270,6 +280,10 @@ def plan(cfg, *, topology: str, gpus: int | Sequence[int], efficiency: float = 0
         dispatches = tuple(check_choice(label, d, DISPATCH_MODES, InputError)
                            for label, d in _one_or_more("dispatches", dispatches))
     top = int(_COUNT.check("top", top, InputError))
+    from moejax.parallel.xla_gpu_flags import LAUNCH_MEM_FRACTION
+
+    mem_fraction = LAUNCH_MEM_FRACTION if mem_fraction is None else float(
+        _MEM_FRACTION.check("mem_fraction", mem_fraction, InputError))
     layouts = []
     for label, text in _one_or_more("candidates", candidates, may_be_empty=True):
         if not isinstance(text, str):
@@ -279,7 +293,7 @@ def plan(cfg, *, topology: str, gpus: int | Sequence[int], efficiency: float = 0
             raise InputError(f"layout {text!r} uses {layouts[-1].n_devices} GPUs, a count not in gpus={gpus}")
     check_model_config(cfg)
     return search(cfg, topo, gpus, efficiency=efficiency, domain_size=domain_size, remats=remats,
-                  dispatches=dispatches, top=top, candidates=tuple(layouts))
+                  dispatches=dispatches, top=top, candidates=tuple(layouts), mem_fraction=mem_fraction)
 
 
 # --------------------------------------------------------------------------------------------- inference

@@ -1,30 +1,20 @@
 """FP8 training, the slow part (`make test-fp8`, in CI; each test minutes of CPU): an FP8 step on a mesh equals
-one device, an FP8 run resumes bit for bit, the planner's FP8 term, and the shipped DeepSeek-V3-small config
-trained for 60 steps on the embedded corpus (bf16 compute) in bf16 and in blockwise FP8. The training comparison
-uses the mean loss of the last 15 steps (every step logged) and the held-out loss; its bounds (4% / 5%) catch a
-broken recipe (a wrong scale is tens of percent), not FP8's small cost, which two trajectories of a short run do
-not resolve (measured 2026-12-05: blockwise +1.15%, held-out +0.93% at 60 steps; -1.60% / -0.41% at 200 steps the
-day before). The convergence comparison itself is a benchmark: `benchmarks/fp8_convergence.py --steps 600 --seeds
-0,1,2`, recorded in benchmarks/RESULTS.md (blockwise within +0.9% of bf16 at every seed). CI runs the file (`make
-test SLOW=1`; `make test-fp8` runs it alone); `make test` leaves it out. The fast FP8
-tests (numerics, compiled-program checks, checkpoints) are tests/test_fp8.py."""
+one device and stays within 1% of the bf16 step (a broken recipe, e.g. a wrong scale, is tens of percent off), an
+FP8 run resumes bit for bit, the planner's FP8 term. Whether FP8 trains as well as bf16 is a convergence question
+that a short run does not resolve (two 60-step trajectories differ by about 1% either way): it is a benchmark,
+`benchmarks/fp8_convergence.py --steps 600 --seeds 0,1,2`, recorded in benchmarks/RESULTS.md (blockwise within
++0.9% of bf16 at every seed). CI runs the file (`make test SLOW=1`; `make test-fp8` runs it alone); `make test`
+leaves it out. The fast FP8 tests (numerics, compiled-program checks, checkpoints) are tests/test_fp8.py."""
 
-import json
-import os
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.fp8_training  # CI-only (tests/budget.py): `make test SLOW=1`, `make test-fp8`
 
 import jax  # noqa: E402
 
-from cpu_env import FAST_COMPILE  # noqa: E402
 from tests.test_resume import losses, records, run  # noqa: E402
 
 
@@ -34,7 +24,8 @@ def test_fp8_step_on_a_mesh_equals_one_device(devices):
     128-wide halves (whole tiles), so the mesh quantises what one device does, up to e4m3 rounding flips that
     f32 reduction order causes (one value off by an e4m3 ulp now and then). Adam with eps 1 makes the update lr x g,
     so the parameters compare gradients: the layout's difference must stay well below (4x) what FP8 itself changes
-    (measured 2026-12-03 in a fresh clone: 5.9e-6 vs 5.6e-5)."""
+    (measured 2026-12-03 in a fresh clone: 5.9e-6 vs 5.6e-5); the FP8 step's loss and gradient norm stay within 1% and
+    3% of the bf16 step's."""
     from tests.test_train_step import one_step, small_config
     tokens = np.random.default_rng(11).integers(0, 259, size=(8, 17), dtype=np.int32)
     runs = {}
@@ -47,13 +38,17 @@ def test_fp8_step_on_a_mesh_equals_one_device(devices):
         for axis, size in sizes.items():
             cfg.mesh[axis] = size
         runs[name] = one_step(cfg, devices[:n], tokens)
-    (p1, s1, m1), (p8, s8, m8), (p_ref, _, _) = runs["fp8-1"], runs["fp8-8"], runs["bf-1"]
+    (p1, s1, m1), (p8, s8, m8), (p_ref, _, m_ref) = runs["fp8-1"], runs["fp8-8"], runs["bf-1"]
     np.testing.assert_allclose(m8["loss"], m1["loss"], rtol=1e-5)
     np.testing.assert_allclose(m8["grad_norm"], m1["grad_norm"], rtol=1e-3)
     flat_1, flat_ref = dict(jax.tree_util.tree_leaves_with_path(p1)), dict(jax.tree_util.tree_leaves_with_path(p_ref))
     layout_diff = max(float(np.max(np.abs(p - flat_1[path]))) for path, p in jax.tree_util.tree_leaves_with_path(p8))
     fp8_effect = max(float(np.max(np.abs(p - flat_ref[path]))) for path, p in flat_1.items())
     assert layout_diff < 2e-5 and layout_diff * 4 < fp8_effect, (layout_diff, fp8_effect)
+    # ... and FP8's own effect is small: a broken recipe (a wrong or missing scale, a tile along the wrong axis) is
+    # tens of percent off bf16 here; blockwise FP8 is 0.07% (loss) and 0.15% (gradient norm) off (2026-12-07)
+    np.testing.assert_allclose(m1["loss"], m_ref["loss"], rtol=0.01)
+    np.testing.assert_allclose(m1["grad_norm"], m_ref["grad_norm"], rtol=0.03)
     np.testing.assert_array_equal(s8["moe_layers"]["ffn"]["router"]["bias_E"], s1["moe_layers"]["ffn"]["router"]["bias_E"])
 
 
@@ -111,26 +106,3 @@ def test_fp8_run_resumes_bitwise(tmp_path):
     redone = records(workdir)[20:]
     assert [r["step"] for r in redone] == list(range(11, 21))
     assert all(r["loss"] == want[r["step"]] for r in redone), [(r["step"], r["loss"], want[r["step"]]) for r in redone]
-
-
-@pytest.mark.slow
-def test_deepseek_v3_small_trains_in_fp8_close_to_bf16(tmp_path):
-    """The module docstring's 60-step comparison. Slow (about 4.5 minutes on 2 cores, the longest test): two
-    trainings of the shipped DeepSeek-V3-small config, in optimised XLA:CPU code; fewer steps would not separate a
-    broken recipe from FP8's small cost."""
-    out = tmp_path / "fp8_convergence.json"
-    # bf16 and blockwise only (mxfp8 shares blockwise's quantised-dot path with other tiles and scales).
-    # The runs are run-time bound: optimised XLA:CPU code, as the benchmark's measurements were made
-    # (the suite's fast-compile flag, tests/cpu_env.py, is for compile-bound tests).
-    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "").replace(FAST_COMPILE, "").strip())
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/fp8_convergence.py"), "--formats", "none,blockwise",
-                           "--steps", "60", "--json", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=3600, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    print(proc.stdout)
-    runs = {r["format"]: r for r in json.loads(out.read_text())["runs"]}
-    assert set(runs) == {"none", "blockwise"}
-    assert runs["none"]["final_loss"] < 3.0  # the bf16 run itself learned (4.1 at step 10, 2.52 at step 60)
-    for fmt in ("blockwise",):
-        assert abs(runs[fmt]["gap_vs_bf16"]) < 0.04, runs[fmt]
-        assert runs[fmt]["eval_gap_vs_bf16"] < 0.05, runs[fmt]

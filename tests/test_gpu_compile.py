@@ -348,7 +348,8 @@ def h200():
     os.environ["JAX_PLATFORMS"] = "cpu"
     from moejax.planner.dry_run import dry_run
 
-    return dry_run(gpu_config(), 8, "h200", keep_hlo=True)
+    # budgeted as a GPU run at launch/'s allocator share (at this size the budget holds the program either way)
+    return dry_run(gpu_config(), 8, "h200", keep_hlo=True, mem_fraction=0.95)
 
 
 class TestH200Capacity:
@@ -399,6 +400,20 @@ class TestH200Capacity:
         assert all(set(c["dtypes"]) == {"f32"} for c in reductions), reductions
         # and the exchanges carry the compute dtype
         assert {t for c in h200["collectives"] if "all-to-all" in c["kind"] for t in c["dtypes"]} <= {"bf16", "s32"}
+
+    def test_the_scheduler_is_budgeted_as_in_a_gpu_run(self, h200):
+        """mem_fraction=0.95: XLA compiles with the slop factor that turns the deviceless base (80% of the target's
+        memory) into the budget a GPU run at XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 has, (0.95 M - arguments) x 95%."""
+        from moejax.parallel.xla_gpu_flags import scheduler_memory_limit, scheduler_slop_for
+        from moejax.planner.gpu_targets import get_target
+
+        x, memory = h200["xla"], get_target("h200").memory_bytes
+        io = x["argument_bytes"] + x["output_bytes"] - x["alias_bytes"]
+        slop = x["compiler_options"]["xla_gpu_memory_limit_slop_factor"]
+        assert slop == scheduler_slop_for(0.95, memory, x["argument_bytes"]) and slop > 95
+        run = scheduler_memory_limit(int(0.95 * memory), io, 95)
+        assert x["allocator_bytes"] == int(0.95 * memory) and run * 0.99 < x["scheduler_memory_limit_bytes"] <= run
+        assert x["memory_bytes"] < x["allocator_bytes"] and not h200["notes"], h200["notes"]
 
     def test_memory_next_to_the_planner(self, h200):
         xla, plan = h200["xla"]["memory_bytes"], h200["plan"]["memory_bytes"]

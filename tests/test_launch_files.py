@@ -65,3 +65,17 @@ def test_restart_policy_and_the_launchers_agree():
     assert fail_codes == [[c for c in sorted(FINAL) if c not in (0, 130, 143)]]
     rule = jobset["spec"]["failurePolicy"]["rules"][0]
     assert rule["action"] == "FailJobSet" and rule["onJobFailureReasons"] == ["PodFailurePolicy"]
+
+
+def test_the_launchers_give_xla_the_allocator_share_the_planner_budgets():
+    """moejax-plan budgets XLA:GPU's scheduler at LAUNCH_MEM_FRACTION of each GPU's memory: the sbatch and the JobSet
+    set that XLA_PYTHON_CLIENT_MEM_FRACTION."""
+    import re
+
+    from moejax.parallel.xla_gpu_flags import LAUNCH_MEM_FRACTION
+
+    sbatch = (LAUNCH / "slurm/nvl72.sbatch").read_text()
+    assert float(re.search(r"XLA_PYTHON_CLIENT_MEM_FRACTION:-([0-9.]+)", sbatch)[1]) == LAUNCH_MEM_FRACTION
+    jobset = next(d for d in yaml.safe_load_all((LAUNCH / "k8s/jobset.yaml").read_text()) if d["kind"] == "JobSet")
+    env = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert float(next(e["value"] for e in env if e["name"] == "XLA_PYTHON_CLIENT_MEM_FRACTION")) == LAUNCH_MEM_FRACTION

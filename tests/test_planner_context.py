@@ -282,15 +282,18 @@ def test_parse_layout_reads_cp_and_context():
 
 def test_deepseek_v3_671b_128k_fits_256_gb300_with_context_parallelism():
     """The context-extension stage at 131072 positions, global batch 480, on 256 GB300s (4 racks' 64 GPUs): the
-    layout the plan picks (benchmarks/RESULTS.md, "Context parallelism: the planner") fits in HBM and beats the
-    fastest one without context parallelism, whose tensor all-reduces of 131072-position rows are exposed."""
+    layout the plan picks (benchmarks/RESULTS.md, "Context parallelism: the planner") fits the allocator's share of
+    HBM and beats the fastest one without context parallelism, whose tensor all-reduces of 131072-position rows are
+    exposed."""
+    from moejax.parallel.xla_gpu_flags import LAUNCH_MEM_FRACTION
+
     cfg = runpy.run_path(str(ROOT / "configs" / "deepseek_v3_671b_context.py"))["get_config"]("128k")
     topo = get_topology("gb300-nvl72")
-    chosen = parse_layout("fsdp=32,cp=2,tp=4,remat=attention,mb=1,dispatch=dropless")
-    assert chosen in enumerate_layouts(cfg, 256, 64, remats=("attention",), stages=((1, 1),),
+    chosen = parse_layout("fsdp=32,cp=2,tp=4,remat=full,mb=1,dispatch=dropless")
+    assert chosen in enumerate_layouts(cfg, 256, 64, remats=("full",), stages=((1, 1),),
                                        hbm_bytes=topo.hbm_bytes)
     p = predict(cfg, topo, chosen, efficiency=0.5, domain_size=64)
-    assert p.fits and p.memory.total <= topo.hbm_bytes
+    assert p.fits and p.memory.total <= topo.hbm_bytes * LAUNCH_MEM_FRACTION
     assert p.memory.context_kv > 0 and p.context_gather_s > 0 and p.wire_bytes["nic"] > 0
     without = predict(cfg, topo, parse_layout("fsdp=32,tp=8,remat=full,mb=1,dispatch=dropless"), efficiency=0.5,
                       domain_size=64)

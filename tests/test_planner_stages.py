@@ -177,9 +177,10 @@ def test_exchange_slices_hide_the_expert_exchange_under_the_expert_gemms():
     assert exposed_exchange_s(4.0, 10.0, 1.0, 2) == pytest.approx(1.0)
     assert exposed_exchange_s(4.0, 10.0, 1.0, 4) == pytest.approx(0.0)
     assert exposed_exchange_s(40.0, 10.0, 1.0, 4) == pytest.approx(9.0 + 20.0)  # link-bound: the excess shows
-    # The record's model and machine: the chunked default hides most of the exchange, and the step says so.
+    # The record's model and machine: the chunked default hides most of the exchange, and the step says so (a layout
+    # whose temporaries fit XLA's scheduler budget: past it nothing overlaps, test_1f1b_overlap_counts_only_...).
     cfg = runpy.run_path(str(ROOT / "configs" / "deepseek_v3_671b.py"))["get_config"]()
-    topo, layout = get_topology("gb300-nvl72"), Layout(8, 1, 32, 1, "full", 4, "dropless")
+    topo, layout = get_topology("gb300-nvl72"), Layout(1, 8, 32, 1, "full", 4, "dropless")
     by_chunks = {}
     for chunks in (1, 2, 4):
         cfg.moe.exchange_chunks = chunks
@@ -213,3 +214,28 @@ def test_1f1b_activations_do_not_grow_with_the_micro_batches():
     assert acts["1f1b", 128] < 1.5 * acts["1f1b", 32]
     assert acts["1f1b", 128] < acts["circular", 128] / 2
     assert "(1f1b)" in parse_layout("pp=2,schedule=1f1b").name()
+
+
+def test_1f1b_overlap_counts_only_within_xlas_scheduler_budget():
+    """XLA:GPU overlaps communication only where its scheduler has the memory for it ((allocator - state) x 95%;
+    past it, the 256-GB300 compiles of the record's layout put compute under 4% of the exchange bytes, within it
+    under 68-100%). Within it, 1F1B's forward block in flight holds its transient beside the backward's and the
+    exchange is mostly hidden; past it neither, and every collective is exposed. XLA:CPU overlaps nothing."""
+    from moejax.planner.memory import within_scheduler_budget
+    from moejax.planner.search import parse_layout
+
+    cfg = staged_config()
+    layout = parse_layout("pp=2,vp=2,ep=2,remat=full,mb=1,dispatch=dropless,sched=1f1b")
+    gpu, cpu = estimate_memory(cfg, layout), estimate_memory(cfg, layout, platform="cpu")
+    assert gpu.overlap_live == gpu.layer_transient > 0 and cpu.overlap_live == 0
+    roomy, overlapped = within_scheduler_budget(gpu, gpu.state + gpu.temporaries * 100 // 95 + 100)
+    assert overlapped and roomy == gpu
+    tight, overlapped = within_scheduler_budget(gpu, gpu.state + gpu.temporaries * 100 // 95 - 100)
+    assert not overlapped and tight.overlap_live == 0 and tight.total == gpu.total - gpu.overlap_live
+    topo = get_topology("gb300-nvl72")
+    hidden = predict(cfg, topo, layout, efficiency=0.5, domain_size=4)
+    exposed = predict(cfg, topo, layout, efficiency=0.5, domain_size=4, mem_fraction=gpu.state / topo.hbm_bytes / 2)
+    assert hidden.memory == gpu and exposed.memory == tight
+    # past the budget the exchange runs synchronously, and so do the hand-offs (in the critical path)
+    assert exposed.exposed_exchange_s == exposed.exchange_s and hidden.exposed_comm_s < exposed.exposed_comm_s
+    assert exposed.step_s > hidden.step_s

@@ -29,6 +29,9 @@ flags.DEFINE_string("topology", None, "rank layouts on this hardware (moejax/par
 flags.DEFINE_string("gpus", None, "GPU count(s) for --topology, e.g. 256 or 256,512,1024 (scaling efficiency "
                     "is relative to the first)", flag_values=FLAGS)
 flags.DEFINE_float("efficiency", 0.5, "fraction of the bf16 dense peak the model's GEMMs reach", flag_values=FLAGS)
+flags.DEFINE_float("mem_fraction", None, "share of each GPU's memory the run gives XLA's allocator "
+                   "(XLA_PYTHON_CLIENT_MEM_FRACTION; default: what moejax's launch scripts set, 0.95): the base of "
+                   "XLA:GPU's scheduler budget, which decides whether 1f1b's overlap is scheduled", flag_values=FLAGS)
 flags.DEFINE_integer("domain_size", 0, "GPUs used per NVLink domain (0: whole domains, or the largest multiple of a "
                      "tray that divides the job, e.g. 64 of an NVL72 rack at 256 GPUs)", flag_values=FLAGS)
 flags.DEFINE_string("remat", ",".join(REMAT_POLICIES), "remat policies to consider", flag_values=FLAGS)
@@ -131,7 +134,7 @@ def _layouts(cfg) -> dict:
     return api.plan(cfg, topology=FLAGS.topology, gpus=gpus, efficiency=FLAGS.efficiency,
                     domain_size=FLAGS.domain_size, remats=_split(FLAGS.remat),
                     dispatches=_split(FLAGS.dispatch) if FLAGS.dispatch else None, top=FLAGS.top,
-                    candidates=FLAGS.layout)
+                    candidates=FLAGS.layout, mem_fraction=FLAGS.mem_fraction)
 
 
 def _checkpoint_costs(cfg, plan: dict, assume: dict) -> list[dict]:

@@ -45,6 +45,11 @@ flags.DEFINE_string("dry_run_target", "", "compile --dry_run for NVIDIA GPUs wit
                     "needed: h200 | b200 | gb300 (needs the gpu extra); empty: emulated CPU devices",
                     flag_values=FLAGS)
 
+flags.DEFINE_float("dry_run_mem_fraction", None, "with --dry_run_target: compile with the memory budget XLA:GPU's "
+                   "scheduler has in a GPU run at XLA_PYTHON_CLIENT_MEM_FRACTION=this (launch/ sets 0.95; without "
+                   "it a deviceless compile budgets 80% of the GPU's memory) and say whether the program fits that "
+                   "allocator", flag_values=FLAGS)
+
 PROG = "moejax-train"
 
 
@@ -126,7 +131,8 @@ def _dry_run(cfg) -> int:
     # tokamax logs every autotuning-cache miss (no device to autotune on in a deviceless compile).
     logging.getLogger("absl").setLevel(logging.ERROR)
     try:
-        report = api.dry_run(cfg, FLAGS.dry_run_devices or None, FLAGS.dry_run_target or None)
+        report = api.dry_run(cfg, FLAGS.dry_run_devices or None, FLAGS.dry_run_target or None,
+                             FLAGS.dry_run_mem_fraction)
     except InputError as e:
         return _usage_error(str(e))
     from moejax.planner.dry_run import format_report

@@ -56,6 +56,10 @@ def describe(in_effect: dict[str, str]) -> str:
 # deviceless compile has none and XLA takes 80% of the target's memory. Over the budget, the scheduler orders the
 # program to lower its peak and leaves collectives synchronous: the overlap that memory would buy is gone.
 MEMORY_LIMIT_SLOP_FLAG = "xla_gpu_memory_limit_slop_factor"
+# The share of each GPU's memory moejax's launch scripts give XLA's allocator (XLA_PYTHON_CLIENT_MEM_FRACTION; jax's
+# own default is 0.75): the rest holds the CUDA context, NCCL's buffers and cuBLAS workspaces. The planner budgets
+# XLA:GPU's scheduler at it.
+LAUNCH_MEM_FRACTION = 0.95
 XLA_DEFAULT_SLOP_PERCENT = 95
 DEVICELESS_BASE_SHARE = 0.8
 
@@ -68,6 +72,19 @@ def slop_percent(xla_flags: str) -> int:
 def scheduler_memory_limit(base_bytes: int, io_bytes: int, slop: int) -> int:
     """Bytes of temporaries XLA:GPU's scheduler plans for (0 where the arguments alone exceed the base)."""
     return max(0, (base_bytes - io_bytes) * slop // 100)
+
+
+def scheduler_slop_for(mem_fraction: float, device_bytes: int, io_bytes: int, slop: int = XLA_DEFAULT_SLOP_PERCENT) -> int:
+    """The slop factor that gives a deviceless compile (base: 80% of the target's memory) the scheduler budget of a
+    GPU run whose allocator holds mem_fraction of it: (F M - io) x slop = (0.8 M - io) x slop', rounded down (XLA's
+    flag is an integer: the budget within 1% of the run's). io: the arguments' bytes per device, as estimated before
+    the compile. Raises ValueError where the deviceless base cannot carry a budget (the arguments exceed it)."""
+    deviceless = int(device_bytes * DEVICELESS_BASE_SHARE) - io_bytes
+    if deviceless <= 0:
+        raise ValueError(f"the arguments ({io_bytes / 2**30:.1f} GiB per device) exceed XLA:GPU's deviceless base "
+                         f"({DEVICELESS_BASE_SHARE:.0%} of {device_bytes / 2**30:.1f} GiB): no slop factor gives its "
+                         "scheduler a budget")
+    return max(0, int(mem_fraction * device_bytes) - io_bytes) * slop // deviceless
 
 
 def scheduler_memory_note(base_bytes: int, device_bytes: int, io_bytes: int, temp_bytes: int, slop: int) -> str | None:

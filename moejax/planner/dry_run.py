@@ -20,15 +20,17 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from moejax.config import validate
+from moejax.errors import InputError
 from moejax.model.accounting import flops_per_token
 from moejax.kernels.resolve import KERNEL_FIELDS, apply_kernels, devices_compute_capability, devices_platform
 from moejax.parallel.hlo_collectives import bytes_by_dtype, collectives, overlap
 from moejax.parallel.hlo_kernels import (kernel_inventory, lowered_custom_calls, stacked_weight_copies,
                                          te_grouped_gemms)
-from moejax.parallel.xla_gpu_flags import (DEVICELESS_BASE_SHARE, scheduler_memory_limit, scheduler_memory_note,
-                                           slop_percent)
+from moejax.parallel.xla_gpu_flags import (DEVICELESS_BASE_SHARE, MEMORY_LIMIT_SLOP_FLAG, scheduler_memory_limit,
+                                           scheduler_memory_note, scheduler_slop_for, slop_percent)
 from moejax.parallel.xla_gpu_flags import describe as describe_xla_flags
 from moejax.parallel.mesh import batch_sharding, make_mesh
 from moejax.parallel.topology import TOPOLOGIES, get_topology
@@ -36,7 +38,7 @@ from moejax.planner.comm import buffer_bytes_by_link, step_traffic
 from moejax.planner.gpu_targets import compile_only_devices, cross_compiling, get_target
 from moejax.planner.comm import bytes_by_dtype as planned_bytes_by_dtype
 from moejax.planner.layout import config_layout
-from moejax.planner.memory import estimate_memory
+from moejax.planner.memory import estimate_memory, within_scheduler_budget
 from moejax.planner.predict import domain_size_for
 from moejax.program.optim import make_optimizer
 from moejax.program.state import abstract_state, model_graphdef, train_state_shardings
@@ -51,11 +53,14 @@ def _entered_together(*contexts):
         yield
 
 
-def dry_run(cfg, n_devices: int, target: str | None = None, *, keep_hlo: bool = False, compile: bool = True) -> dict:
+def dry_run(cfg, n_devices: int, target: str | None = None, *, keep_hlo: bool = False, compile: bool = True,
+            mem_fraction: float | None = None) -> dict:
     """target None: n emulated CPU devices (XLA:CPU); 'h200' | 'b200' | 'gb300': n compile-only GPUs (XLA:GPU,
     planner/gpu_targets.py), with the kernels `auto` resolves to on GPUs. compile=False stops after lowering: the
     report then holds only what jax asks XLA for (kernels, the lowered program's custom calls), in seconds where
-    XLA's compile of a large step takes minutes."""
+    XLA's compile of a large step takes minutes. mem_fraction (GPU targets): compile with the scheduler budget a GPU
+    run at XLA_PYTHON_CLIENT_MEM_FRACTION=mem_fraction gives XLA (scheduler_slop_for); None: the deviceless
+    compile's own (80% of the target's memory)."""
     sizes = validate(cfg, n_devices)
     gpu = get_target(target) if target else None
     if gpu:
@@ -86,6 +91,14 @@ def dry_run(cfg, n_devices: int, target: str | None = None, *, keep_hlo: bool = 
                                 sharding=batch_sharding(mesh))
     batch = {"tokens": rows, "segment_ids": rows}
     start = time.perf_counter()
+    compiler_options, slop = {}, slop_percent(os.environ.get("XLA_FLAGS", ""))
+    share = DEVICELESS_BASE_SHARE if mem_fraction is None else float(mem_fraction)
+    if gpu and mem_fraction is not None:
+        io_estimate = sum(_shard_bytes(a) for a in jax.tree.leaves((state, batch)))  # outputs alias the state
+        try:
+            compiler_options[MEMORY_LIMIT_SLOP_FLAG] = scheduler_slop_for(share, gpu.memory_bytes, io_estimate, slop)
+        except ValueError as e:
+            raise InputError(f"mem_fraction={share}: {e}") from None
     with compiling, jax.set_mesh(mesh):
         lowered = jit_train_step(cfg, model_graphdef(cfg), tx, mesh, shardings).lower(state, batch)
         if not compile:
@@ -93,7 +106,7 @@ def dry_run(cfg, n_devices: int, target: str | None = None, *, keep_hlo: bool = 
                     "device_kind": devices[0].device_kind, "kernels": {k: cfg.kernels[k] for k in KERNEL_FIELDS},
                     "kernels_line": kernels_line, "lower_s": time.perf_counter() - start,
                     "xla": {"lowered_custom_calls": lowered_custom_calls(lowered.as_text())}}
-        compiled = lowered.compile()
+        compiled = lowered.compile(compiler_options or None)
     compile_s = time.perf_counter() - start
 
     mem = compiled.memory_analysis()
@@ -116,6 +129,8 @@ def dry_run(cfg, n_devices: int, target: str | None = None, *, keep_hlo: bool = 
 
     layout = config_layout(cfg, sizes)  # one accumulation pass's rows per device: what the step holds at a time
     predicted_mem = estimate_memory(cfg, layout, platform=platform)
+    if gpu:  # as XLA's scheduler budgets this compile (the planner's own rule, planner/memory.py)
+        predicted_mem, _ = within_scheduler_budget(predicted_mem, int(gpu.memory_bytes * share), slop)
     traffic = step_traffic(cfg, layout)
     pred_kinds: dict[str, int] = {}
     for t in traffic:
@@ -131,13 +146,18 @@ def dry_run(cfg, n_devices: int, target: str | None = None, *, keep_hlo: bool = 
         notes.append("XLA:CPU moves bf16 collectives as f32 (its float-normalization-bf16 pass converts the "
                      f"operands), so the XLA column counts them at 2x: {ratios}; the planner column is at the "
                      "model's dtypes, what a GPU moves")
-    scheduler_limit = None
-    if gpu:  # a deviceless compile: XLA budgets 80% of the target's memory (parallel/xla_gpu_flags.py)
-        base, io = int(gpu.memory_bytes * DEVICELESS_BASE_SHARE), xla_bytes - mem.temp_size_in_bytes
-        slop = slop_percent(os.environ.get("XLA_FLAGS", ""))
+    scheduler_limit = allocator = None
+    if gpu:  # XLA's scheduler budget: the deviceless 80% of the target's memory, or the run's allocator share
+        base, io = int(gpu.memory_bytes * share), xla_bytes - mem.temp_size_in_bytes
         scheduler_limit = scheduler_memory_limit(base, io, slop)
         note = scheduler_memory_note(base, gpu.memory_bytes, io, mem.temp_size_in_bytes, slop)
         notes += [note] if note else []
+        if mem_fraction is not None:
+            allocator = base
+            if xla_bytes > base:
+                notes.append(f"XLA's memory per device ({xla_bytes / 2**30:.1f} GiB) exceeds the allocator's "
+                             f"{base / 2**30:.1f} GiB at XLA_PYTHON_CLIENT_MEM_FRACTION={share}: a GPU run of it "
+                             "runs out of memory")
     return {
         **({"hlo": hlo} if keep_hlo else {}),
         "devices": n_devices, "mesh": sizes, "domain_size": domain, "layout": layout.name(),
@@ -152,6 +172,9 @@ def dry_run(cfg, n_devices: int, target: str | None = None, *, keep_hlo: bool = 
                 "output_bytes": mem.output_size_in_bytes, "alias_bytes": mem.alias_size_in_bytes,
                 "temp_bytes": mem.temp_size_in_bytes, "flops": float(cost.get("flops", 0.0)),
                 "scheduler_memory_limit_bytes": scheduler_limit,
+                # --dry_run_mem_fraction: the run's allocator limit (share x memory) and the slop the compile used
+                "mem_fraction": mem_fraction, "allocator_bytes": allocator,
+                "compiler_options": compiler_options,
                 "kernels": kernel_inventory(hlo),
                 # whole layer stacks relaid out for a gather (parallel/layouts.py keeps them out): none expected
                 "stacked_weight_copies": stacked_weight_copies(hlo),
@@ -168,6 +191,11 @@ def dry_run(cfg, n_devices: int, target: str | None = None, *, keep_hlo: bool = 
                  "collective_bytes": pred_kinds, "collective_bytes_by_dtype": plan_dtypes,
                  "collective_bytes_by_link": buffer_bytes_by_link(traffic, sizes, domain)},
     }
+
+
+def _shard_bytes(a: jax.ShapeDtypeStruct) -> int:
+    """One device's bytes of an abstract array with a sharding."""
+    return int(np.prod(a.sharding.shard_shape(a.shape))) * jnp.dtype(a.dtype).itemsize
 
 
 def te_gemm_summary(gemms: list[dict]) -> list[dict]:
@@ -218,6 +246,12 @@ def format_report(r: dict) -> str:
         f"  {'memory (GiB)':28s} {x['memory_bytes'] / gib:12.3f} {p['memory_bytes'] / gib:12.3f}"
         f"   (XLA: arguments {x['argument_bytes'] / gib:.3f} + temp {x['temp_bytes'] / gib:.3f}, outputs aliased)",
     ]
+    if x.get("scheduler_memory_limit_bytes") is not None:
+        lines.append(f"  {'scheduler budget (GiB)':28s} {x['scheduler_memory_limit_bytes'] / gib:12.3f}"
+                     + (f"   (a GPU run at XLA_PYTHON_CLIENT_MEM_FRACTION={x['mem_fraction']}: allocator "
+                        f"{x['allocator_bytes'] / gib:.3f} GiB, the compile's "
+                        + ", ".join(f"--{k}={v}" for k, v in x['compiler_options'].items()) + ")"
+                        if x.get("mem_fraction") is not None else "   (deviceless: 80% of the target's memory)"))
     for kind in sorted(set(x["collective_bytes"]) | set(p["collective_bytes"])):
         types = ""
         if "collective_bytes_by_dtype" in x:

@@ -19,6 +19,12 @@
                       their gradients before the fsdp reduction (param dtype)
   kernel_workspace    kernels.expert_gemm=te: the cuBLAS workspace Transformer Engine's grouped GEMM asks for (one
                       call's: XLA reuses it), beside the layer being differentiated
+  overlap_live        1F1B (layout.one_f_one_b) with the exchange under compute: in the steady state a tick runs one
+                      micro-batch's forward chunk beside another's backward chunk, so while the backward's block is
+                      being differentiated the forward's block in flight holds its own transient (dispatch buffers,
+                      expert activations: one more `layer_transient`). XLA:GPU's scheduler overlaps them only
+                      within its memory budget (within_scheduler_budget); past it, it schedules for memory and
+                      these buffers are not live at once (0)
   context_kv          context parallelism (layout.context > 1): the layer being differentiated's keys and values of
                       the whole sequence beyond the L / C positions its trace holds (rematerialised where the
                       policy did not save them) and their gradients (planner/context.py); activations are traced
@@ -52,6 +58,7 @@ from moejax.config.layers import layer_plan
 from moejax.kernels import te_gemm
 from moejax.parallel.one_f_one_b_tables import residual_slot_table
 from moejax.parallel.pipeline import chunk_slots, schedule_ticks
+from moejax.parallel.xla_gpu_flags import XLA_DEFAULT_SLOP_PERCENT, scheduler_memory_limit
 from moejax.planner.activations import activation_terms
 from moejax.planner.layout import Layout, layout_config, loss_chunks
 from moejax.planner.state_shapes import state_leaves
@@ -73,6 +80,7 @@ class MemoryEstimate:
     context_kv: int = 0  # context > 1: the whole sequence's K/V (and gradients) of the layer being differentiated
     kernel_workspace: int = 0  # kernels.expert_gemm=te: the cuBLAS workspace of the grouped GEMM being run
     f32_weight_copies: int = 0  # optim.master_weights: f32 copies of the stacks scanned outside the 1F1B schedule
+    overlap_live: int = 0  # 1F1B, overlapped: the forward chunk's block in flight beside the backward's
 
     @property
     def state(self) -> int:
@@ -84,8 +92,13 @@ class MemoryEstimate:
         larger of two phases: the loss over the vocabulary, which runs before any layer's weight gradient exists,
         or the layers' backward, which holds the gradients, the layer being differentiated and its transient."""
         return (self.grad_accumulator + self.activations + self.stage_copies + self.f32_weight_copies
-                + max(self.logits, self.grads + self.layer_live + self.layer_transient + self.context_kv
-                      + self.kernel_workspace))
+                + max(self.logits, self.grads + self.layer_live + self.layer_transient + self.overlap_live
+                      + self.context_kv + self.kernel_workspace))
+
+    @property
+    def temporaries(self) -> int:
+        """What XLA counts as the program's temporaries: everything beside the state it takes as arguments."""
+        return self.total - self.state
 
     @property
     def optimizer(self) -> int:
@@ -100,6 +113,20 @@ class MemoryEstimate:
 
     def to_dict(self) -> dict:
         return {**asdict(self), "total": self.total}
+
+
+def within_scheduler_budget(memory: MemoryEstimate, base_bytes: int,
+                            slop: int = XLA_DEFAULT_SLOP_PERCENT) -> tuple[MemoryEstimate, bool]:
+    """(the memory as XLA:GPU schedules it, whether it schedules the overlap) when XLA's allocator limit is
+    `base_bytes`: its scheduler plans for (base - arguments) x slop / 100 of temporaries
+    (parallel/xla_gpu_flags.scheduler_memory_limit, the arguments being the state). Where the temporaries (with
+    1F1B's overlap buffers) exceed that, it orders the program to lower its peak and leaves the collectives
+    synchronous: the 256-GB300 compiles of the record's layout put compute under 4% of the exchange bytes past the
+    budget and 68-100% within it; a 64-GB300 layout over it, under none (benchmarks/RESULTS.md). 1F1B's overlap
+    buffers are then not live at once (overlap_live 0)."""
+    if memory.temporaries <= scheduler_memory_limit(int(base_bytes), memory.state, slop):
+        return memory, True
+    return replace(memory, overlap_live=0), False
 
 
 def _largest_layer_bytes(params, sizes, compute_itemsize) -> int:
@@ -186,6 +213,7 @@ def estimate_memory(cfg, layout: Layout, seq_len: int | None = None, platform: s
     act = activation_terms(cfg, layout.micro_batch, seq, layout.remat, tensor=layout.tensor, expert=layout.expert,
                            dispatch=layout.dispatch, platform=platform, context=layout.context, cfg_json=cfg_json)
     saved, logits = act.saved, act.logits
+    overlap_live = 0
     if layout.stage > 1:
         n_micro = layout.per_pass(int(cfg.train.global_batch))  # one pass's micro-batches are in flight
         n_pipelined = layer_plan(cfg.model).n_moe
@@ -212,6 +240,8 @@ def estimate_memory(cfg, layout: Layout, seq_len: int | None = None, platform: s
             saved = (outside * n_micro // layout.stage + 2 * n_pad * token_bytes
                      + int(chunk_bytes * residual_slot_table(layout.stage, n_pad, layout.virtual)[1]))
             logits += act.moe_layer * int(cfg.model.get("mtp_depth", 0))
+            # XLA:CPU runs each collective synchronously: no overlap to hold buffers for
+            overlap_live = act.layer if platform != "cpu" else 0
         else:
             # The parts outside the stages hold 1/S of the rows each (parallel/mesh.batch_axes).
             saved = (outside * n_micro // layout.stage
@@ -221,4 +251,4 @@ def estimate_memory(cfg, layout: Layout, seq_len: int | None = None, platform: s
     # TE built as `make install-te` builds it (the V2 grouped GEMM: one stream's workspace); the dry run reports which
     workspace = te_gemm.WORKSPACE_BYTES["v2"] if cfg.kernels.get("expert_gemm") == "te" else 0
     return replace(state_memory(cfg, layout, platform, cfg_json), activations=saved, layer_transient=act.layer, logits=logits,
-                   context_kv=act.context_kv, kernel_workspace=workspace)
+                   context_kv=act.context_kv, kernel_workspace=workspace, overlap_live=overlap_live)

@@ -33,10 +33,11 @@ from moejax.model.accounting import (expert_ffn_macs_fractions, flops_per_token,
 from moejax.parallel.one_f_one_b_tables import executed_slots
 from moejax.parallel.pipeline import bubble_fraction, chunk_slots, slot_is_layer
 from moejax.parallel.topology import Topology
+from moejax.parallel.xla_gpu_flags import LAUNCH_MEM_FRACTION
 from moejax.planner.comm import buffer_bytes_by_link, step_traffic, wire_bytes
 from moejax.planner.context import CONTEXT_MIN_LOCAL_POSITIONS, CONTEXT_MIN_SEQ_LEN, context_overhead_flops
 from moejax.planner.layout import Layout
-from moejax.planner.memory import MemoryEstimate, estimate_memory, state_memory
+from moejax.planner.memory import MemoryEstimate, estimate_memory, state_memory, within_scheduler_budget
 from moejax.planner.recompute import recompute_factor
 
 # blockwise FP8 GEMMs as qwix runs them (one GEMM of depth 128 per contraction tile, every tile's f32 partial written
@@ -125,12 +126,21 @@ def domain_size_for(topo: Topology, n_gpus: int, override: int = 0) -> int:
     return max((d for d in range(step, size + 1, step) if n_gpus % d == 0), default=1)
 
 
-def predict(cfg, topo: Topology, layout: Layout, *, efficiency: float, domain_size: int) -> Prediction:
+def predict(cfg, topo: Topology, layout: Layout, *, efficiency: float, domain_size: int,
+            mem_fraction: float = LAUNCH_MEM_FRACTION) -> Prediction:
+    """mem_fraction: the share of each GPU's memory XLA's allocator is given (XLA_PYTHON_CLIENT_MEM_FRACTION): a
+    layout fits where its memory is within it, and it is the base of XLA:GPU's scheduler budget: communication is
+    overlapped with compute only where the layout's temporaries fit that budget (memory.within_scheduler_budget),
+    else every collective is exposed."""
     t = cfg.train
     seq = int(t.seq_len)
     n = layout.n_devices
     cfg_json = cfg.to_json_best_effort(sort_keys=True)  # the key of every per-config cache below
+    allocator = topo.hbm_bytes * (mem_fraction if topo.name != "cpu" else 1.0)  # XLA:CPU: no allocator share
     memory = estimate_memory(cfg, layout, seq, cfg_json=cfg_json)
+    overlap_scheduled = True
+    if topo.name != "cpu":  # XLA:CPU runs every collective synchronously and has no such budget
+        memory, overlap_scheduled = within_scheduler_budget(memory, allocator)
     traffic = step_traffic(cfg, layout, seq)
     wire = {"nvlink": 0.0, "nic": 0.0}
     critical_s = overlap_s = exchange_s = context_gather_s = handoff_s = 0.0
@@ -165,14 +175,17 @@ def predict(cfg, topo: Topology, layout: Layout, *, efficiency: float, domain_si
     chunks = planned_exchange_chunks(cfg, layout, topo)
     # The expert FFNs' share of compute_s (recompute and stage stretch apply to them like the rest).
     exposed_exchange = exposed_exchange_s(exchange_s, routed_share * compute_s, shared_share * compute_s, chunks)
-    if layout.one_f_one_b:
+    if not overlap_scheduled:
+        # past the scheduler's budget XLA:GPU schedules for memory: every collective runs synchronously
+        exposed_exchange, critical_s, overlap_s = exchange_s, critical_s + handoff_s + overlap_s, 0.0
+    elif layout.one_f_one_b:
         exposed_exchange = exposed_1f1b_s(layout, layout.scheduled_micro(int(t.global_batch)),
                                           exposed_exchange + handoff_s, exchange_s + handoff_s,
                                           pipelined_macs_fraction(cfg, seq) * compute_s)
     exposed = critical_s + context_gather_s + exposed_exchange + max(0.0, overlap_s - compute_s)
     step_s = compute_s + exposed
     tokens_per_s = tokens_per_step / step_s / n
-    return Prediction(layout, memory, memory.total <= topo.hbm_bytes, buffer_bytes_by_link(traffic, layout.sizes, domain_size),
+    return Prediction(layout, memory, memory.total <= allocator, buffer_bytes_by_link(traffic, layout.sizes, domain_size),
                       wire, recompute, bubble, stage_compute, compute_s, chunks, exchange_s, exposed_exchange, exposed,
                       step_s, tokens_per_s,
                       model_flops / step_s / 1e12, model_flops / step_s / topo.peak_bf16, context_gather_s,
@@ -361,7 +374,7 @@ def _fp8_text(cfg, topo: Topology, efficiency: float) -> str:
 
 
 def assumptions(topo: Topology, efficiency: float, domain_size: int, cfg=None, *, remats=REMAT_POLICIES,
-                dispatches=None) -> list[str]:
+                dispatches=None, mem_fraction: float = LAUNCH_MEM_FRACTION) -> list[str]:
     return [
         f"hardware: {topo.name} ({topo.notes}); bf16 dense peak {topo.peak_bf16 / 1e12:.0f} TFLOP/s, "
         f"HBM {topo.hbm_bytes / 1e9:.0f} GB, NVLink {topo.nvlink_bw / 1e9:.0f} GB/s and NIC {topo.nic_bw / 1e9:.0f} GB/s "
@@ -371,6 +384,11 @@ def assumptions(topo: Topology, efficiency: float, domain_size: int, cfg=None, *
         f"compute: model FLOPs (Megatron-Core convention) at {efficiency:.0%} of the bf16 dense peak, times "
         + _recompute_text(cfg, remats, dispatches),
         *([_fp8_text(cfg, topo, efficiency)] if cfg is not None and cfg.model.get("fp8", "none") != "none" else []),
+        *([f"XLA's allocator holds {mem_fraction:.2f} of each GPU's memory (XLA_PYTHON_CLIENT_MEM_FRACTION, "
+           f"--mem_fraction): a layout fits within {mem_fraction * topo.hbm_bytes / 1e9:.1f} GB; XLA:GPU's "
+           "latency-hiding scheduler overlaps communication with compute only where the temporaries (memory beyond "
+           "the state) fit its budget, (allocator - state) x 95%; past it every collective is exposed"]
+          if topo.name != "cpu" else []),
         "communication: NCCL-style hierarchical collectives (ring inside the domain, then 1/n_in of the data per "
         "GPU over its own NIC); tensor all-reduces and pipeline hand-offs are not overlapped with compute, fsdp "
         "gathers and gradient sums are overlapped and only their excess over compute shows",
@@ -404,7 +422,8 @@ def assumptions(topo: Topology, efficiency: float, domain_size: int, cfg=None, *
         "them), a backward slot weighing 2 + 3 (recompute - 1) forward ones; V S + 2 S - 2 chunk forwards' "
         "residuals per stage; heads per group of S micro-batches inside the schedule; in the steady state the "
         "expert exchange and the hand-offs under the other micro-batch's compute, the warm-up and cool-down's "
-        "S / M exposed as without stages",
+        "S / M exposed as without stages, and one more block's transient live (the forward's beside the "
+        "backward's)",
         f"context parallelism (context C > 1; searched for sequences of {CONTEXT_MIN_SEQ_LEN} positions or more "
         f"down to {CONTEXT_MIN_LOCAL_POSITIONS} per device, or where the batch's rows run out; one sequence per "
         "micro-batch; layouts whose state and gradients alone exceed HBM left out): per-token work and activations "

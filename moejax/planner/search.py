@@ -6,35 +6,40 @@ from moejax.config import ConfigError, validate
 from moejax.config.schema import PIPELINE_SCHEDULES
 from moejax.errors import InputError
 from moejax.parallel.topology import Topology
+from moejax.parallel.xla_gpu_flags import LAUNCH_MEM_FRACTION
 from moejax.planner.layout import Layout
 from moejax.planner.predict import assumptions, domain_size_for, enumerate_layouts, predict, rank
 
 
 def plan(cfg, topo: Topology, gpu_counts: list[int], *, efficiency: float, domain_size: int = 0,
-         remats=("none", "dots", "full"), dispatches=None, top: int = 5, candidates: tuple[Layout, ...] = ()) -> dict:
-    """`candidates`: layouts to rank among the searched ones at their GPU count and explain, whether or not the
+         remats=("none", "dots", "full"), dispatches=None, top: int = 5, candidates: tuple[Layout, ...] = (),
+         mem_fraction: float = LAUNCH_MEM_FRACTION) -> dict:
+    """mem_fraction: XLA's allocator's share of each GPU's memory (predict). `candidates`: layouts to rank among
+    the searched ones at their GPU count and explain, whether or not the
     config can run them (e.g. a published record's layout)."""
     runs = []
     for n in gpu_counts:
         domain = domain_size_for(topo, n, domain_size)
         layouts = enumerate_layouts(cfg, n, domain, remats=remats, dispatches=dispatches, hbm_bytes=topo.hbm_bytes)
-        ranked = rank([predict(cfg, topo, lay, efficiency=efficiency, domain_size=domain) for lay in layouts])
+        ranked = rank([predict(cfg, topo, lay, efficiency=efficiency, domain_size=domain, mem_fraction=mem_fraction)
+                       for lay in layouts])
         runs.append({"gpus": n, "domain_size": domain, "layouts_considered": len(layouts),
                      "layouts_that_fit": sum(p.fits for p in ranked),
                      "best": [p.to_dict() for p in ranked[:top]],
                      # the fastest layout with pipeline stages that fits, else the one closest to fitting
                      "best_pipelined": _best_pipelined(ranked),
-                     "candidates": [_candidate(cfg, topo, lay, ranked, efficiency, domain)
+                     "candidates": [_candidate(cfg, topo, lay, ranked, efficiency, domain, mem_fraction)
                                     for lay in candidates if lay.n_devices == n]})
     base = next((r for r in runs if r["best"] and r["best"][0]["fits"]), None)
     for r in runs:
         best = r["best"][0] if r["best"] and r["best"][0]["fits"] else None
         r["scaling_efficiency"] = (best["tokens_per_s_per_gpu"] / base["best"][0]["tokens_per_s_per_gpu"]
                                    if best and base else None)
-    return {"topology": topo.name, "efficiency": efficiency, "global_batch": int(cfg.train.global_batch),
+    return {"topology": topo.name, "efficiency": efficiency, "mem_fraction": mem_fraction,
+            "global_batch": int(cfg.train.global_batch),
             "seq_len": int(cfg.train.seq_len), "runs": runs,
             "assumptions": assumptions(topo, efficiency, runs[0]["domain_size"] if runs else 0, cfg,
-                                       remats=remats, dispatches=dispatches)}
+                                       remats=remats, dispatches=dispatches, mem_fraction=mem_fraction)}
 
 
 def _best_pipelined(ranked) -> dict | None:
@@ -45,10 +50,11 @@ def _best_pipelined(ranked) -> dict | None:
     return (fitting[0] if fitting else min(staged, key=lambda p: p.memory.total)).to_dict()
 
 
-def _candidate(cfg, topo: Topology, layout: Layout, ranked, efficiency: float, domain: int) -> dict:
+def _candidate(cfg, topo: Topology, layout: Layout, ranked, efficiency: float, domain: int,
+               mem_fraction: float) -> dict:
     """A given layout's prediction, its place among the searched layouts, and why moejax could not run it (the
     config error), if so."""
-    pred = predict(cfg, topo, layout, efficiency=efficiency, domain_size=domain)
+    pred = predict(cfg, topo, layout, efficiency=efficiency, domain_size=domain, mem_fraction=mem_fraction)
     place = 1 + sum(1 for p in ranked if (not p.fits, p.step_s) < (not pred.fits, pred.step_s))
     trial = cfg.copy_and_resolve_references()
     with trial.unlocked():
