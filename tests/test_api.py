@@ -86,6 +86,7 @@ BAD_PLAN_ARGUMENTS = [
     ({"efficiency": float("nan")}, "efficiency=nan: must be a finite number in (0, 1]"),
     ({"efficiency": "0.5"}, "efficiency='0.5': must be a finite number in (0, 1]"),
     ({"domain_size": -1}, "domain_size=-1: must be an integer >= 0"),
+    ({"mem_fraction": 1.5}, "mem_fraction=1.5: must be a finite number in (0, 1]"),
     ({"top": 0}, "top=0: must be an integer >= 1"),
     ({"remats": "some"}, "remats='some' is not one of 'none', 'full', 'dots'"),
     ({"remats": ()}, "remats=(): give one value or a non-empty list of them"),
@@ -113,6 +114,11 @@ def test_plan_dry_run_and_train_check_the_config_and_the_device_count(tmp_path):
     for n, shown in ((-8, "-8"), ("8", "'8'"), (2.5, "2.5"), (True, "True")):
         with pytest.raises(moejax.InputError, match=rf"^n_devices={shown}: must be an integer >= 1"):
             moejax.dry_run(moejax.load_config(TINY), n)
+    # the allocator share is a GPU run's: refused for an XLA:CPU compile, and outside (0, 1]
+    with pytest.raises(moejax.InputError, match=r"^mem_fraction=0\.9 needs a GPU target"):
+        moejax.dry_run(moejax.load_config(TINY), 8, mem_fraction=0.9)
+    with pytest.raises(moejax.InputError, match=r"^mem_fraction=0: must be a finite number in \(0, 1\]"):
+        moejax.dry_run(moejax.load_config(TINY), 8, "h200", mem_fraction=0)
 
 
 def test_plan_ranks_layouts():
