@@ -114,7 +114,7 @@ class Budget:
     # passed every test failed
     @pytest.hookimpl(trylast=True)
     def pytest_terminal_summary(self, terminalreporter):
-        if not self._deciding() or self.scaled_budget is None:
+        if self.scaled_budget is None:  # no --budget, or an xdist worker (pytest_sessionfinish sets it otherwise)
             return
         budget, scaled = self.config.getoption("--budget"), self.scaled_budget
         terminalreporter.write_sep("=", "time budget", red=bool(self.offenders))

@@ -404,7 +404,7 @@ class TestH200Capacity:
     def test_the_scheduler_is_budgeted_as_in_a_gpu_run(self, h200):
         """mem_fraction=0.95: XLA compiles with the slop factor that turns the deviceless base (80% of the target's
         memory) into the budget a GPU run at XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 has, (0.95 M - arguments) x 95%."""
-        from moejax.parallel.xla_gpu_flags import scheduler_memory_limit, scheduler_slop_for
+        from moejax.parallel.xla_gpu_flags import DEVICELESS_BASE_SHARE, scheduler_memory_limit, scheduler_slop_for
         from moejax.planner.gpu_targets import get_target
 
         x, memory = h200["xla"], get_target("h200").memory_bytes
@@ -412,7 +412,10 @@ class TestH200Capacity:
         slop = x["compiler_options"]["xla_gpu_memory_limit_slop_factor"]
         assert slop == scheduler_slop_for(0.95, memory, x["argument_bytes"]) and slop > 95
         run = scheduler_memory_limit(int(0.95 * memory), io, 95)
-        assert x["allocator_bytes"] == int(0.95 * memory) and run * 0.99 < x["scheduler_memory_limit_bytes"] <= run
+        # what XLA budgets in this deviceless compile with that slop is the GPU run's budget, to XLA's integer slop
+        compiled = scheduler_memory_limit(int(DEVICELESS_BASE_SHARE * memory), io, slop)
+        assert run * 0.99 < compiled <= run and x["scheduler_memory_limit_bytes"] == run
+        assert x["allocator_bytes"] == int(0.95 * memory)
         assert x["memory_bytes"] < x["allocator_bytes"] and not h200["notes"], h200["notes"]
 
     def test_memory_next_to_the_planner(self, h200):

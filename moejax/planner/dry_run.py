@@ -93,6 +93,7 @@ def dry_run(cfg, n_devices: int, target: str | None = None, *, keep_hlo: bool = 
     start = time.perf_counter()
     compiler_options, slop = {}, slop_percent(os.environ.get("XLA_FLAGS", ""))
     share = DEVICELESS_BASE_SHARE if mem_fraction is None else float(mem_fraction)
+    base = int(gpu.memory_bytes * share) if gpu else None  # XLA:GPU's scheduler base: deviceless, or the allocator
     if gpu and mem_fraction is not None:
         io_estimate = sum(_shard_bytes(a) for a in jax.tree.leaves((state, batch)))  # outputs alias the state
         try:
@@ -130,7 +131,7 @@ def dry_run(cfg, n_devices: int, target: str | None = None, *, keep_hlo: bool = 
     layout = config_layout(cfg, sizes)  # one accumulation pass's rows per device: what the step holds at a time
     predicted_mem = estimate_memory(cfg, layout, platform=platform)
     if gpu:  # as XLA's scheduler budgets this compile (the planner's own rule, planner/memory.py)
-        predicted_mem, _ = within_scheduler_budget(predicted_mem, int(gpu.memory_bytes * share), slop)
+        predicted_mem, _ = within_scheduler_budget(predicted_mem, base, slop)
     traffic = step_traffic(cfg, layout)
     pred_kinds: dict[str, int] = {}
     for t in traffic:
@@ -147,8 +148,8 @@ def dry_run(cfg, n_devices: int, target: str | None = None, *, keep_hlo: bool = 
                      f"operands), so the XLA column counts them at 2x: {ratios}; the planner column is at the "
                      "model's dtypes, what a GPU moves")
     scheduler_limit = allocator = None
-    if gpu:  # XLA's scheduler budget: the deviceless 80% of the target's memory, or the run's allocator share
-        base, io = int(gpu.memory_bytes * share), xla_bytes - mem.temp_size_in_bytes
+    if gpu:
+        io = xla_bytes - mem.temp_size_in_bytes
         scheduler_limit = scheduler_memory_limit(base, io, slop)
         note = scheduler_memory_note(base, gpu.memory_bytes, io, mem.temp_size_in_bytes, slop)
         notes += [note] if note else []

@@ -136,10 +136,9 @@ def predict(cfg, topo: Topology, layout: Layout, *, efficiency: float, domain_si
     seq = int(t.seq_len)
     n = layout.n_devices
     cfg_json = cfg.to_json_best_effort(sort_keys=True)  # the key of every per-config cache below
-    allocator = topo.hbm_bytes * (mem_fraction if topo.name != "cpu" else 1.0)  # XLA:CPU: no allocator share
-    memory = estimate_memory(cfg, layout, seq, cfg_json=cfg_json)
-    overlap_scheduled = True
-    if topo.name != "cpu":  # XLA:CPU runs every collective synchronously and has no such budget
+    memory, overlap_scheduled, allocator = estimate_memory(cfg, layout, seq, cfg_json=cfg_json), True, topo.hbm_bytes
+    if topo.name != "cpu":  # XLA:CPU has no allocator share nor scheduler budget (its collectives are synchronous)
+        allocator *= mem_fraction
         memory, overlap_scheduled = within_scheduler_budget(memory, allocator)
     traffic = step_traffic(cfg, layout, seq)
     wire = {"nvlink": 0.0, "nic": 0.0}

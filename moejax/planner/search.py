@@ -15,8 +15,8 @@ def plan(cfg, topo: Topology, gpu_counts: list[int], *, efficiency: float, domai
          remats=("none", "dots", "full"), dispatches=None, top: int = 5, candidates: tuple[Layout, ...] = (),
          mem_fraction: float = LAUNCH_MEM_FRACTION) -> dict:
     """mem_fraction: XLA's allocator's share of each GPU's memory (predict). `candidates`: layouts to rank among
-    the searched ones at their GPU count and explain, whether or not the
-    config can run them (e.g. a published record's layout)."""
+    the searched ones at their GPU count and explain, whether or not the config can run them (e.g. a published
+    record's layout)."""
     runs = []
     for n in gpu_counts:
         domain = domain_size_for(topo, n, domain_size)
